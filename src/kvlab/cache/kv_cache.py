@@ -1,0 +1,236 @@
+"""kvlab's KV cache: the only code that stores, extends, crops and copies keys and values.
+
+A `KVCache` holds one layer object per model layer and the true sequence length of each batch row.
+Layers decide how they store tokens (`FullKVLayer` keeps every token in a preallocated buffer; the
+compressor issue adds compressed layers behind the same `KVLayer` contract). Rows of a batch may
+hold different lengths, which is what speculative decoding needs after rows accept different
+numbers of tokens.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+
+import torch
+
+from kvlab.cache.attention import attend
+from kvlab.models.architecture import ModelArchitecture
+
+
+class KVLayer(abc.ABC):
+    """Storage of one attention layer's keys/values for a batch of rows."""
+
+    sliding_window: int | None
+
+    @abc.abstractmethod
+    def append(self, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
+        """Store `q` new tokens at the end of every row.
+
+        Args:
+            new_keys: [B, H_kv, q, D] keys with rotary applied.
+            new_values: [B, H_kv, q, D].
+        """
+
+    @abc.abstractmethod
+    def attend(self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention of `queries` [B, H, q, D] at `query_positions` [B, q] over the stored tokens."""
+
+    @abc.abstractmethod
+    def crop(self, lengths: list[int]) -> None:
+        """Forget stored tokens so that row b keeps the ones at positions < lengths[b]."""
+
+    @abc.abstractmethod
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only the given batch rows, in that order."""
+
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of everything stored for the rows' tokens (not spare capacity)."""
+
+    def clone(self) -> KVLayer:
+        return copy.deepcopy(self)
+
+
+class FullKVLayer(KVLayer):
+    """Every token's keys and values, in a buffer that grows by doubling (no per-token copy).
+
+    Buffers are [B, H_kv, capacity, D]; row b is valid up to `lengths[b]`, and a token's index is its
+    sequence position.
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        sliding_window: int | None = None,
+    ) -> None:
+        shape = (batch_size, num_kv_heads, max(capacity, 1), head_dim)
+        # Zeros, not empty: masked attention still multiplies unused slots by a zero weight, and
+        # uninitialised memory may hold NaN (0 * NaN = NaN).
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = [0] * batch_size
+        self.sliding_window = sliding_window
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def append(self, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
+        num_new = new_keys.shape[2]
+        self._reserve(max(self.lengths) + num_new)
+        if len(set(self.lengths)) == 1:
+            start = self.lengths[0]
+            self.keys[:, :, start : start + num_new] = new_keys
+            self.values[:, :, start : start + num_new] = new_values
+        else:
+            for row, start in enumerate(self.lengths):
+                self.keys[row, :, start : start + num_new] = new_keys[row]
+                self.values[row, :, start : start + num_new] = new_values[row]
+        self.lengths = [length + num_new for length in self.lengths]
+
+    def attend(self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float) -> torch.Tensor:
+        num_keys = max(self.lengths)
+        window = self.sliding_window
+        if window is not None and num_keys <= window:
+            window = None
+        return attend(
+            queries,
+            self.keys[:, :, :num_keys],
+            self.values[:, :, :num_keys],
+            query_positions,
+            self.lengths,
+            scaling,
+            sliding_window=window,
+        )
+
+    def crop(self, lengths: list[int]) -> None:
+        if any(new > old for new, old in zip(lengths, self.lengths)):
+            raise ValueError(f"cannot crop to {lengths}: rows hold only {self.lengths}")
+        self.lengths = list(lengths)
+
+    def select_rows(self, rows: list[int]) -> None:
+        index = torch.tensor(rows, device=self.keys.device)
+        self.keys = self.keys.index_select(0, index)
+        self.values = self.values.index_select(0, index)
+        self.lengths = [self.lengths[row] for row in rows]
+
+    def nbytes(self) -> int:
+        per_token = 2 * self.keys.shape[1] * self.keys.shape[3] * self.keys.element_size()
+        return per_token * sum(self.lengths)
+
+    def stored(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [H_kv, T, D] that row `row` holds (views, not copies)."""
+        length = self.lengths[row]
+        return self.keys[row, :, :length], self.values[row, :, :length]
+
+    def _reserve(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        capacity = max(needed, 2 * self.capacity)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            grown = old.new_zeros((old.shape[0], old.shape[1], capacity, old.shape[3]))
+            grown[:, :, : old.shape[2]] = old
+            setattr(self, name, grown)
+
+
+class KVCache:
+    """Per-layer KV storage for a batch of sequences, plus each row's true sequence length.
+
+    A layer may store fewer tokens than the sequence holds (after eviction), so positions for the next
+    forward come from `seq_lengths`, never from what a layer stores.
+    """
+
+    def __init__(self, layers: list[KVLayer], seq_lengths: list[int]) -> None:
+        self.layers = layers
+        self.seq_lengths = list(seq_lengths)
+
+    @classmethod
+    def allocate(
+        cls,
+        architecture: ModelArchitecture,
+        batch_size: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVCache:
+        """An empty full cache able to hold `capacity` tokens per row before it grows."""
+        layers: list[KVLayer] = [
+            FullKVLayer(batch_size, architecture.num_kv_heads, architecture.head_dim, capacity, dtype, device, window)
+            for window in architecture.sliding_windows
+        ]
+        return cls(layers, [0] * batch_size)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lengths)
+
+    def next_positions(self, num_new: int, device: torch.device | str) -> torch.Tensor:
+        """[B, num_new] int64 positions of the next tokens of every row."""
+        starts = torch.tensor(self.seq_lengths, dtype=torch.long)
+        return (starts[:, None] + torch.arange(num_new)).to(device)
+
+    def advance(self, num_new: int) -> None:
+        """Record that every row consumed `num_new` more tokens (called after a forward)."""
+        self.seq_lengths = [length + num_new for length in self.seq_lengths]
+
+    def crop(self, lengths: int | list[int]) -> None:
+        """Roll every row back so it holds exactly its first `lengths[b]` tokens."""
+        targets = [lengths] * self.batch_size if isinstance(lengths, int) else list(lengths)
+        if len(targets) != self.batch_size:
+            raise ValueError(f"crop needs {self.batch_size} lengths, got {len(targets)}")
+        if any(target < 0 or target > length for target, length in zip(targets, self.seq_lengths)):
+            raise ValueError(f"cannot crop rows of lengths {self.seq_lengths} to {targets}")
+        for layer in self.layers:
+            layer.crop(targets)
+        self.seq_lengths = targets
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only the given rows (e.g. drop finished sequences from a batch)."""
+        for layer in self.layers:
+            layer.select_rows(rows)
+        self.seq_lengths = [self.seq_lengths[row] for row in rows]
+
+    def clone(self) -> KVCache:
+        return KVCache([layer.clone() for layer in self.layers], self.seq_lengths)
+
+    def nbytes(self) -> int:
+        """Bytes of everything the cache stores for its tokens."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    @classmethod
+    def stack(cls, caches: list[KVCache], capacity: int) -> KVCache:
+        """One batch cache holding the rows of single-row full caches (after per-prompt prefill).
+
+        Args:
+            caches: Caches of batch size 1 whose layers are `FullKVLayer`.
+            capacity: Tokens per row to reserve in the stacked cache.
+        """
+        first = caches[0].layers
+        layers: list[KVLayer] = []
+        for layer_idx, template in enumerate(first):
+            assert isinstance(template, FullKVLayer)
+            stacked = FullKVLayer(
+                len(caches),
+                template.keys.shape[1],
+                template.keys.shape[3],
+                capacity,
+                template.keys.dtype,
+                template.keys.device,
+                template.sliding_window,
+            )
+            for row, cache in enumerate(caches):
+                source = cache.layers[layer_idx]
+                assert isinstance(source, FullKVLayer)
+                keys, values = source.stored(0)
+                stacked.keys[row, :, : keys.shape[1]] = keys
+                stacked.values[row, :, : values.shape[1]] = values
+                stacked.lengths[row] = keys.shape[1]
+            layers.append(stacked)
+        return cls(layers, [cache.seq_lengths[0] for cache in caches])

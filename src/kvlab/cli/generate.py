@@ -1,0 +1,92 @@
+"""`kvlab generate`: continue one prompt with the chosen model and print the answer and its stats."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json
+from kvlab.cli.progress import TokenProgress
+from kvlab.errors import ConfigError
+from kvlab.generation import GenerationConfig, GenerationOutput, generate
+from kvlab.models import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
+
+
+class GenerateCommand(Command):
+    name = "generate"
+    help = "generate a continuation of a prompt"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        source = parser.add_mutually_exclusive_group(required=True)
+        source.add_argument("--prompt", help="prompt text")
+        source.add_argument("--prompt-file", type=Path, help="read the prompt from this UTF-8 file")
+        parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file, model dir or cached hub id")
+        parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and KV dtype")
+        parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
+        parser.add_argument("--max-new-tokens", type=int, default=256, help="upper limit on generated tokens")
+        parser.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
+        parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+        parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+        parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+        parser.add_argument("--stop", action="append", default=[], help="stop once the text contains this (repeatable)")
+        parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+        add_json_flag(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        text = _read_prompt(args)
+        config = GenerationConfig(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop_strings=tuple(args.stop),
+            ignore_eos=args.ignore_eos,
+        )
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+        prompt_ids = loaded.encode_prompt(text, raw=args.raw)
+        with TokenProgress(total=config.max_new_tokens, enabled=not args.json) as progress:
+            output = generate(loaded, [prompt_ids], config, on_progress=progress.update)
+        _report(loaded, output, args.json)
+        return EXIT_OK
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        text = str(args.prompt)
+    else:
+        path: Path = args.prompt_file
+        if not path.is_file():
+            raise ConfigError(f"prompt file not found: {path}")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"prompt file {path} is not UTF-8 text ({error.reason})") from None
+    if not text.strip():
+        raise ConfigError("the prompt is empty; pass some text with --prompt or --prompt-file")
+    return text
+
+
+def _report(loaded: LoadedModel, output: GenerationOutput, as_json: bool) -> None:
+    request = output.requests[0]
+    stats = dataclasses.asdict(output.stats)
+    if as_json:
+        print_json(
+            {
+                "model": loaded.name,
+                "text": request.text,
+                "token_ids": request.token_ids,
+                "prompt_token_ids": request.prompt_token_ids,
+                "stop_reason": request.stop_reason,
+                "stats": stats,
+            }
+        )
+        return
+    print(request.text)
+    print(
+        f"\n[{loaded.name}] prompt {stats['prompt_tokens']} tokens, generated {stats['new_tokens']} "
+        f"({request.stop_reason}); TTFT {stats['ttft_s']:.2f} s, decode {stats['decode_tokens_per_s']:.1f} tokens/s, "
+        f"KV {stats['kv_bytes'] / 2**20:.1f} MiB",
+        file=sys.stderr,
+    )

@@ -1,0 +1,13 @@
+"""Importing this module registers every built-in component in its registry."""
+
+from __future__ import annotations
+
+import importlib
+
+# Packages whose import registers components (each adds itself as its issue lands).
+COMPONENT_PACKAGES: tuple[str, ...] = ()
+
+
+def load_components() -> None:
+    for package in COMPONENT_PACKAGES:
+        importlib.import_module(package)

@@ -1,0 +1,15 @@
+"""Plain (full-KV) generation: configuration, sampling, stopping and the decode loop."""
+
+from kvlab.generation.config import GenerationConfig
+from kvlab.generation.engine import GenerationOutput, GenerationStats, RequestOutput, generate
+from kvlab.generation.sampling import select_next_tokens, token_probabilities
+
+__all__ = [
+    "GenerationConfig",
+    "GenerationOutput",
+    "GenerationStats",
+    "RequestOutput",
+    "generate",
+    "select_next_tokens",
+    "token_probabilities",
+]

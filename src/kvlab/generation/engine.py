@@ -1,0 +1,160 @@
+"""Plain autoregressive generation on kvlab's cache: prefill, then one token per step.
+
+The decode loop allocates each row's cache once (prompt + max_new_tokens), so no step copies the
+cache; finished rows leave the batch so the others do not pay for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from kvlab.cache import KVCache, forward
+from kvlab.errors import ConfigError
+from kvlab.generation.config import GenerationConfig
+from kvlab.generation.sampling import select_next_tokens
+from kvlab.generation.stopping import StopChecker, StopReason
+from kvlab.models import LoadedModel
+from kvlab.timing import Stopwatch
+
+ProgressCallback = Callable[[int], None]
+"""Called after every decode step with the number of tokens that step produced (across rows)."""
+
+
+@dataclasses.dataclass(slots=True)
+class GenerationStats:
+    """Timings and sizes of one `generate` call (a batch shares them).
+
+    Attributes:
+        prompt_tokens: Tokens prefilled, all rows together.
+        new_tokens: Tokens generated, all rows together.
+        ttft_s: Seconds from the call to the first generated token of every row (prefill included).
+        decode_s: Seconds from the first token to the last.
+        decode_tokens_per_s: Tokens generated after the first ones, per second of decoding.
+        kv_bytes: Largest number of bytes the KV cache stored during the call.
+    """
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    kv_bytes: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class RequestOutput:
+    """What one prompt of a batch produced.
+
+    Attributes:
+        prompt_token_ids: Exactly the ids the model was fed.
+        token_ids: Generated ids, including a final end-of-sequence token when generation hit one.
+        text: Decoded `token_ids` without special tokens, cut before a stop string.
+        stop_reason: "eos", "stop_string" or "length".
+    """
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    stop_reason: StopReason
+
+
+@dataclasses.dataclass(slots=True)
+class GenerationOutput:
+    requests: list[RequestOutput]
+    stats: GenerationStats
+
+
+def check_prompts(loaded: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Refuse prompts the model cannot continue: empty, or past its usable context."""
+    if not prompts:
+        raise ConfigError("no prompts given")
+    limit = loaded.architecture.max_context
+    for index, prompt in enumerate(prompts):
+        if not prompt:
+            raise ConfigError(f"prompt {index} is empty")
+        if len(prompt) + max_new_tokens > limit:
+            raise ConfigError(
+                f"prompt {index} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} that exceeds the "
+                f"model's context of {limit} tokens: shorten the prompt or lower --max-new-tokens"
+            )
+
+
+def prefill(loaded: LoadedModel, prompts: list[list[int]], capacity: int) -> tuple[KVCache, torch.Tensor]:
+    """Prefill every prompt on its own (no padding), then stack the rows into one batch cache.
+
+    Returns:
+        The batch cache and [B, V] logits of each prompt's last position.
+    """
+    caches, last_logits = [], []
+    for prompt in prompts:
+        cache = KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device)
+        input_ids = torch.tensor([prompt], device=loaded.device)
+        last_logits.append(forward(loaded.model, cache, input_ids, logits_to_keep=1)[:, -1])
+        caches.append(cache)
+    cache = caches[0] if len(caches) == 1 else KVCache.stack(caches, capacity)
+    return cache, torch.cat(last_logits)
+
+
+def generate(
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    config: GenerationConfig,
+    on_progress: ProgressCallback | None = None,
+) -> GenerationOutput:
+    """Generate a continuation of each prompt with the full KV cache.
+
+    Greedy output is token-identical to transformers' `generate(do_sample=False)`.
+
+    Args:
+        loaded: Model from `kvlab.models.load_model`.
+        prompts: Token ids per prompt (lengths may differ).
+        config: Decoding settings.
+        on_progress: Optional callback, see `ProgressCallback`.
+    """
+    check_prompts(loaded, prompts, config.max_new_tokens)
+    stopwatch = Stopwatch(loaded.device)
+    generator = None if config.greedy else torch.Generator(loaded.device).manual_seed(config.seed)
+    checker = StopChecker(
+        loaded.eos_token_ids, config.stop_strings, config.max_new_tokens, loaded.decode, config.ignore_eos
+    )
+    capacity = max(len(p) for p in prompts) + config.max_new_tokens
+    cache, logits = prefill(loaded, prompts, capacity)
+    stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts), kv_bytes=cache.nbytes())
+    generated: list[list[int]] = [[] for _ in prompts]
+    reasons: list[StopReason | None] = [None] * len(prompts)
+    active = list(range(len(prompts)))
+    while True:
+        next_tokens = select_next_tokens(logits, config, generator)
+        for row, token in zip(active, next_tokens.tolist()):
+            generated[row].append(token)
+            reasons[row] = checker.check(generated[row])
+        if stats.new_tokens == 0:
+            stats.ttft_s = stopwatch.elapsed()
+        stats.new_tokens += len(active)
+        if on_progress is not None:
+            on_progress(len(active))
+        keep = [i for i, row in enumerate(active) if reasons[row] is None]
+        if not keep:
+            break
+        if len(keep) < len(active):
+            stats.kv_bytes = max(stats.kv_bytes, cache.nbytes())
+            cache.select_rows(keep)
+            active = [active[i] for i in keep]
+            next_tokens = next_tokens[keep]
+        logits = forward(loaded.model, cache, next_tokens[:, None], logits_to_keep=1)[:, -1]
+    stats.kv_bytes = max(stats.kv_bytes, cache.nbytes())
+    _finish_timing(stats, stopwatch.elapsed(), len(prompts))
+    requests = [
+        RequestOutput(prompt, tokens, checker.final_text(loaded.decode(tokens)), reason or "length")
+        for prompt, tokens, reason in zip(prompts, generated, reasons)
+    ]
+    return GenerationOutput(requests, stats)
+
+
+def _finish_timing(stats: GenerationStats, total_s: float, num_rows: int) -> None:
+    stats.decode_s = total_s - stats.ttft_s
+    decoded_after_first = stats.new_tokens - num_rows
+    stats.decode_tokens_per_s = decoded_after_first / stats.decode_s if stats.decode_s > 0 else 0.0

@@ -1,0 +1,50 @@
+"""Next-token selection as pure tensor functions (shared by plain and speculative decoding)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab.generation.config import GenerationConfig
+
+
+def token_probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The distribution sampling draws from, after temperature and nucleus filtering.
+
+    Args:
+        logits: [..., V] raw logits.
+        temperature: > 0.
+        top_p: Keep the smallest set of most likely tokens whose probability mass reaches top_p
+            (always at least one token), renormalized.
+
+    Returns:
+        [..., V] float32 probabilities.
+    """
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    # A token stays if the tokens ranked above it have not yet reached top_p.
+    keep_sorted = mass_before < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    filtered = torch.where(keep, probs, torch.zeros_like(probs))
+    return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+def select_next_tokens(
+    logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Pick one token per row.
+
+    Args:
+        logits: [B, V] logits of the last position of each row.
+        config: Greedy when `config.temperature == 0`, otherwise temperature/top-p sampling.
+        generator: Source of randomness for sampling (ignored when greedy).
+
+    Returns:
+        [B] int64 token ids.
+    """
+    if config.greedy:
+        return logits.argmax(dim=-1)
+    probs = token_probabilities(logits, config.temperature, config.top_p)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)

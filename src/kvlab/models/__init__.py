@@ -1,0 +1,7 @@
+"""Model loading and the only architecture-specific knowledge in kvlab."""
+
+from kvlab.models.architecture import ModelArchitecture
+from kvlab.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS
+from kvlab.models.loading import DTYPES, LoadedModel, load_model, wrap_model
+
+__all__ = ["DEFAULT_MODEL", "DTYPES", "EMBEDDED_MODELS", "LoadedModel", "ModelArchitecture", "load_model", "wrap_model"]

@@ -1,0 +1,232 @@
+"""Load a causal LM and its tokenizer, fully offline.
+
+A model is named by an embedded alias ("smollm2", the default), a GGUF file, a local directory in
+transformers format, or a Hugging Face id already in the local hub cache. GGUF files are converted
+once into a float32 safetensors copy under kvlab's cache directory (keyed by the file's sha256), so
+later starts take a second instead of half a minute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from kvlab.errors import ConfigError, ModelNotFoundError
+from kvlab.models.architecture import ModelArchitecture
+from kvlab.models.attention_hook import install_attention
+from kvlab.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_gguf_path
+from kvlab.paths import cache_dir
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass(slots=True)
+class LoadedModel:
+    """A model ready for kvlab: attention routed through kvlab, tokenizer and geometry attached.
+
+    Attributes:
+        name: What the user asked for (alias, path or id).
+        source: The file or directory the weights came from.
+        model: The transformers model, in eval mode.
+        tokenizer: Its tokenizer, with the chat template when the model has one.
+        architecture: Attention geometry (`kvlab.models.ModelArchitecture`).
+    """
+
+    name: str
+    source: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    architecture: ModelArchitecture
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every token id that ends generation (generation config and tokenizer together)."""
+        ids: set[int] = set()
+        configured = getattr(self.model.generation_config, "eos_token_id", None)
+        if isinstance(configured, int):
+            ids.add(configured)
+        elif configured:
+            ids.update(int(i) for i in configured)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+    def encode_prompt(self, text: str, raw: bool = False) -> list[int]:
+        """Token ids the model is fed for `text`.
+
+        Without `raw`, an instruct model's chat template wraps `text` as one user turn and adds the
+        assistant header; with `raw` (or a model without a template) the text is tokenized as is.
+        """
+        if not text.strip():
+            raise ConfigError("the prompt is empty; pass some text with --prompt or --prompt-file")
+        if raw or not self.has_chat_template:
+            return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        encoded = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        # transformers 5 returns a BatchEncoding here; 4.x returned a plain list.
+        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+        return [int(i) for i in ids]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+
+def load_model(name: str | None = None, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+    """Load a model by alias, GGUF file, local directory or locally cached hub id.
+
+    Args:
+        name: None or "smollm2" for the embedded default; see `kvlab ls` for other aliases.
+        dtype: "float32" (the exactness guarantees are stated for it), "bfloat16" or "float16".
+        device: A torch device string ("cpu", "cuda", "cuda:1").
+
+    Raises:
+        ModelNotFoundError: Nothing by that name is available on this machine.
+        ConfigError: Unknown dtype or unsupported architecture.
+    """
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+    name = name or DEFAULT_MODEL
+    directory, gguf_file = _resolve(name)
+    if gguf_file is not None:
+        directory = _converted_gguf_dir(gguf_file)
+    with _quiet_transformers():
+        try:
+            model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=DTYPES[dtype])
+            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        except OSError as error:
+            raise ModelNotFoundError(_not_found_message(name)) from error
+    return wrap_model(model.to(device), tokenizer, name=name, source=str(gguf_file or directory))
+
+
+def wrap_model(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str = "custom", source: str = ""
+) -> LoadedModel:
+    """Prepare a model object you already hold for kvlab (eval mode, attention routed to kvlab).
+
+    The model keeps working with plain transformers calls: kvlab only takes over attention in
+    forwards that pass a kvlab cache step.
+    """
+    model.eval()
+    install_attention(model)
+    return LoadedModel(
+        name=name,
+        source=source,
+        model=model,
+        tokenizer=tokenizer,
+        architecture=ModelArchitecture.from_config(model.config),
+    )
+
+
+def _resolve(name: str) -> tuple[str, Path | None]:
+    """(directory or hub id, GGUF file or None) for a model name."""
+    if name in EMBEDDED_MODELS:
+        return "", embedded_gguf_path(name, cache_dir())
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ConfigError(f"{name} is a file but not a .gguf model; pass a .gguf file or a model directory")
+        return "", path
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return str(path), None
+        gguf_files = sorted(path.glob("*.gguf"))
+        if len(gguf_files) == 1:
+            return "", gguf_files[0]
+        raise ModelNotFoundError(f"{name} holds neither config.json nor exactly one .gguf file")
+    if name.endswith(".gguf") or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise ModelNotFoundError(f"no such model file or directory: {name}")
+    return name, None
+
+
+def _not_found_message(name: str) -> str:
+    aliases = ", ".join(EMBEDDED_MODELS)
+    return (
+        f"model {name!r} is not available locally and kvlab never downloads; pass an embedded alias ({aliases}), "
+        "a .gguf file, or a local directory with config.json (e.g. one made by `huggingface-cli download` "
+        "on a machine with network access)"
+    )
+
+
+def _converted_gguf_dir(gguf_file: Path) -> str:
+    """Directory of the float32 safetensors copy of a GGUF file, converting it on first use."""
+    target = cache_dir() / "models" / _sha256(gguf_file)[:24]
+    if (target / "config.json").is_file():
+        return str(target)
+    logger.info("converting %s once into %s (later loads are fast)", gguf_file, target)
+    with _quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, local_files_only=True)
+        # transformers refuses to save a GGUF-loaded model while it still carries the GGUF quantizer, although
+        # the weights are already dequantized to float32.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+        try:
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            os.replace(staging, target)
+        except OSError:
+            # Another process finished the same conversion first; its copy is identical.
+            if not (target / "config.json").is_file():
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return str(target)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for block in iter(lambda: file.read(1 << 23), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Silence transformers' own progress bars and info logs while kvlab loads (the library never prints)."""
+    bars_were_enabled = hf_logging.is_progress_bar_enabled()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    # The GGUF converter uses a bare tqdm that only this variable silences.
+    tqdm_disable = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if tqdm_disable is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = tqdm_disable
+        hf_logging.set_verbosity(verbosity)
+        if bars_were_enabled:
+            hf_logging.enable_progress_bar()
