@@ -52,7 +52,7 @@ class Registry(Generic[T]):
             if name in self._entries and self._entries[name] is not cls:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             self._entries[name] = cls
-            setattr(cls, "registry_name", name)
+            cls.registry_name = name  # type: ignore[attr-defined]
             return cls
 
         return decorator

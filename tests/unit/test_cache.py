@@ -84,13 +84,14 @@ def test_clone_is_independent_of_the_original() -> None:
     assert torch.equal(continued_copy, continued_original)
 
 
-def test_nbytes_counts_stored_tokens_not_capacity() -> None:
+def test_nbytes_counts_stored_tokens_in_fp16_and_resident_bytes_count_the_buffers() -> None:
     loaded = tiny_llama(num_kv_heads=2)
     arch = loaded.architecture
     cache = KVCache.allocate(arch, 1, 128, torch.float32, "cpu")
     assert cache.nbytes() == 0
     forward(loaded.model, cache, _random_ids(10))
-    assert cache.nbytes() == 10 * arch.kv_bytes_per_token(element_size=4)
+    assert cache.nbytes() == 10 * arch.kv_bytes_per_token(element_size=2) == cache.full_nbytes()
+    assert cache.resident_bytes() == 128 * arch.kv_bytes_per_token(element_size=4)
 
 
 def test_rows_of_different_lengths_match_single_row_runs() -> None:
@@ -134,6 +135,6 @@ def test_unused_slots_hold_finite_values_so_masked_attention_stays_finite() -> N
     # Masked attention multiplies unused slots by a zero weight; NaN garbage there would leak (0 * NaN).
     layer = FullKVLayer(batch_size=2, num_kv_heads=1, head_dim=4, capacity=8, dtype=torch.float32, device="cpu")
     layer.append(torch.ones(2, 1, 3, 4), torch.ones(2, 1, 3, 4))
-    layer.crop([1, 3])
+    layer.drop_last([2, 0])
     layer.append(torch.ones(2, 1, 6, 4), torch.ones(2, 1, 6, 4))
     assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()

@@ -8,7 +8,7 @@ import torch
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, generate, token_probabilities
 from kvlab.models import LoadedModel
-from tests.conftest import TINY_EOS, tiny_llama, transformers_greedy
+from tests.conftest import tiny_llama, transformers_greedy
 
 
 def _prompts(*lengths: int) -> list[list[int]]:
@@ -108,7 +108,8 @@ def test_stats_count_tokens_and_time() -> None:
     stats = output.stats
     assert stats.prompt_tokens == 15 and stats.new_tokens == 16
     assert stats.ttft_s > 0 and stats.decode_s > 0 and stats.decode_tokens_per_s > 0
-    assert stats.kv_bytes == (15 + 2 * 7) * loaded.architecture.kv_bytes_per_token(element_size=4)
+    assert stats.kv_bytes == (15 + 2 * 7) * loaded.architecture.kv_bytes_per_token(element_size=2)
+    assert stats.kv_bytes_ratio == 1.0
 
 
 @pytest.mark.parametrize(

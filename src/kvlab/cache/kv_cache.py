@@ -15,6 +15,7 @@ import copy
 import torch
 
 from kvlab.cache.attention import attend
+from kvlab.compress.base import Compressor, full_kv_nbytes
 from kvlab.models.architecture import ModelArchitecture
 
 
@@ -37,8 +38,8 @@ class KVLayer(abc.ABC):
         """Attention of `queries` [B, H, q, D] at `query_positions` [B, q] over the stored tokens."""
 
     @abc.abstractmethod
-    def crop(self, lengths: list[int]) -> None:
-        """Forget stored tokens so that row b keeps the ones at positions < lengths[b]."""
+    def drop_last(self, counts: list[int]) -> None:
+        """Forget the `counts[b]` most recently appended tokens of each row b (a rollback)."""
 
     @abc.abstractmethod
     def select_rows(self, rows: list[int]) -> None:
@@ -46,7 +47,29 @@ class KVLayer(abc.ABC):
 
     @abc.abstractmethod
     def nbytes(self) -> int:
-        """Bytes of everything stored for the rows' tokens (not spare capacity)."""
+        """Bytes of the stored representation of the rows' tokens, full-precision parts counted in
+        fp16 (kvlab's storage format, and the reference of `kv_bytes_ratio`)."""
+
+    @abc.abstractmethod
+    def resident_bytes(self) -> int:
+        """Bytes of tensors this layer actually holds in memory (capacity and working copies included)."""
+
+    @abc.abstractmethod
+    def empty_like(self, batch_size: int, capacity: int) -> KVLayer:
+        """An empty layer of the same kind and settings for `batch_size` rows."""
+
+    @abc.abstractmethod
+    def copy_row_from(self, source: KVLayer, source_row: int, row: int) -> None:
+        """Make row `row` hold exactly what `source` holds in `source_row` (same layer kind)."""
+
+    def compress_prompt(self, queries: torch.Tensor, scaling: float, layer_idx: int) -> None:
+        """Compress what the rows hold, after the prompt's forward; layers that keep everything ignore it.
+
+        Args:
+            queries: [B, H, T, D] queries of the prompt forward (rotary applied).
+            scaling: Softmax scale of the layer.
+            layer_idx: The layer's index in the model.
+        """
 
     def clone(self) -> KVLayer:
         return copy.deepcopy(self)
@@ -109,10 +132,10 @@ class FullKVLayer(KVLayer):
             sliding_window=window,
         )
 
-    def crop(self, lengths: list[int]) -> None:
-        if any(new > old for new, old in zip(lengths, self.lengths)):
-            raise ValueError(f"cannot crop to {lengths}: rows hold only {self.lengths}")
-        self.lengths = list(lengths)
+    def drop_last(self, counts: list[int]) -> None:
+        if any(count < 0 or count > length for count, length in zip(counts, self.lengths)):
+            raise ValueError(f"cannot drop {counts} tokens from rows holding {self.lengths}")
+        self.lengths = [length - count for length, count in zip(self.lengths, counts)]
 
     def select_rows(self, rows: list[int]) -> None:
         index = torch.tensor(rows, device=self.keys.device)
@@ -121,8 +144,22 @@ class FullKVLayer(KVLayer):
         self.lengths = [self.lengths[row] for row in rows]
 
     def nbytes(self) -> int:
-        per_token = 2 * self.keys.shape[1] * self.keys.shape[3] * self.keys.element_size()
-        return per_token * sum(self.lengths)
+        return full_kv_nbytes(sum(self.lengths), self.keys.shape[1], self.keys.shape[3])
+
+    def resident_bytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def empty_like(self, batch_size: int, capacity: int) -> FullKVLayer:
+        heads, dim = self.keys.shape[1], self.keys.shape[3]
+        return FullKVLayer(batch_size, heads, dim, capacity, self.keys.dtype, self.keys.device, self.sliding_window)
+
+    def copy_row_from(self, source: KVLayer, source_row: int, row: int) -> None:
+        assert isinstance(source, FullKVLayer)
+        keys, values = source.stored(source_row)
+        self._reserve(keys.shape[1])
+        self.keys[row, :, : keys.shape[1]] = keys
+        self.values[row, :, : values.shape[1]] = values
+        self.lengths[row] = keys.shape[1]
 
     def stored(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [H_kv, T, D] that row `row` holds (views, not copies)."""
@@ -159,10 +196,19 @@ class KVCache:
         capacity: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        compressor: Compressor | None = None,
     ) -> KVCache:
-        """An empty full cache able to hold `capacity` tokens per row before it grows."""
-        layers: list[KVLayer] = [
-            FullKVLayer(batch_size, architecture.num_kv_heads, architecture.head_dim, capacity, dtype, device, window)
+        """An empty cache able to hold `capacity` tokens per row before it grows.
+
+        Args:
+            compressor: None stores every token; a compressor makes every full-attention layer compress
+                the prompt on the forward that passes `compress=True` (sliding-window layers, already
+                bounded, store every token of their window).
+        """
+        from kvlab.cache.compressed import make_layer
+
+        layers = [
+            make_layer(compressor, batch_size, architecture.num_kv_heads, architecture.head_dim, capacity, dtype, device, window)
             for window in architecture.sliding_windows
         ]
         return cls(layers, [0] * batch_size)
@@ -187,8 +233,9 @@ class KVCache:
             raise ValueError(f"crop needs {self.batch_size} lengths, got {len(targets)}")
         if any(target < 0 or target > length for target, length in zip(targets, self.seq_lengths)):
             raise ValueError(f"cannot crop rows of lengths {self.seq_lengths} to {targets}")
+        counts = [length - target for length, target in zip(self.seq_lengths, targets)]
         for layer in self.layers:
-            layer.crop(targets)
+            layer.drop_last(counts)
         self.seq_lengths = targets
 
     def select_rows(self, rows: list[int]) -> None:
@@ -201,36 +248,32 @@ class KVCache:
         return KVCache([layer.clone() for layer in self.layers], self.seq_lengths)
 
     def nbytes(self) -> int:
-        """Bytes of everything the cache stores for its tokens."""
+        """Bytes of the stored representation (full-precision parts counted in fp16)."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def resident_bytes(self) -> int:
+        """Bytes of KV tensors held in memory, spare capacity and working copies included."""
+        return sum(layer.resident_bytes() for layer in self.layers)
+
+    def full_nbytes(self) -> int:
+        """Bytes the same tokens would take uncompressed in fp16: the numerator of `kv_bytes_ratio`."""
+        layer = self.layers[0]
+        assert isinstance(layer, FullKVLayer)
+        per_layer = full_kv_nbytes(sum(self.seq_lengths), layer.keys.shape[1], layer.keys.shape[3])
+        return per_layer * len(self.layers)
 
     @classmethod
     def stack(cls, caches: list[KVCache], capacity: int) -> KVCache:
-        """One batch cache holding the rows of single-row full caches (after per-prompt prefill).
+        """One batch cache holding the rows of single-row caches (after per-prompt prefill).
 
         Args:
-            caches: Caches of batch size 1 whose layers are `FullKVLayer`.
+            caches: Caches of batch size 1 with the same layer kinds.
             capacity: Tokens per row to reserve in the stacked cache.
         """
-        first = caches[0].layers
-        layers: list[KVLayer] = []
-        for layer_idx, template in enumerate(first):
-            assert isinstance(template, FullKVLayer)
-            stacked = FullKVLayer(
-                len(caches),
-                template.keys.shape[1],
-                template.keys.shape[3],
-                capacity,
-                template.keys.dtype,
-                template.keys.device,
-                template.sliding_window,
-            )
+        layers = []
+        for layer_idx, template in enumerate(caches[0].layers):
+            stacked = template.empty_like(len(caches), capacity)
             for row, cache in enumerate(caches):
-                source = cache.layers[layer_idx]
-                assert isinstance(source, FullKVLayer)
-                keys, values = source.stored(0)
-                stacked.keys[row, :, : keys.shape[1]] = keys
-                stacked.values[row, :, : values.shape[1]] = values
-                stacked.lengths[row] = keys.shape[1]
+                stacked.copy_row_from(cache.layers[layer_idx], 0, row)
             layers.append(stacked)
         return cls(layers, [cache.seq_lengths[0] for cache in caches])

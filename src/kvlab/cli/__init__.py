@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvlab: interrupted", file=sys.stderr)
         return 130
-    except Exception as error:  # noqa: BLE001 - the CLI's last line of defence turns failures into exit 1
+    except Exception as error:
         if args.verbose or os.environ.get("KVLAB_DEBUG"):
             raise
         print(f"kvlab {args.command}: failed: {type(error).__name__}: {error} (rerun with -v for details)", file=sys.stderr)

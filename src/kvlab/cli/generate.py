@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json
 from kvlab.cli.progress import TokenProgress
+from kvlab.compress import Compressor, compressors
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, GenerationOutput, generate
 from kvlab.models import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
@@ -32,6 +33,16 @@ class GenerateCommand(Command):
         parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
         parser.add_argument("--stop", action="append", default=[], help="stop once the text contains this (repeatable)")
         parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+        parser.add_argument(
+            "--compressor", help="decode from a KV cache compressed by this method (lossy; see `kvlab ls`)"
+        )
+        parser.add_argument(
+            "--compressor-arg",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="a compressor parameter, e.g. compression_ratio=0.9 or bits=4 (repeatable)",
+        )
         add_json_flag(parser)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -44,12 +55,21 @@ class GenerateCommand(Command):
             stop_strings=tuple(args.stop),
             ignore_eos=args.ignore_eos,
         )
+        compressor = _compressor(args)
         loaded = load_model(args.model, dtype=args.dtype, device=args.device)
         prompt_ids = loaded.encode_prompt(text, raw=args.raw)
         with TokenProgress(total=config.max_new_tokens, enabled=not args.json) as progress:
-            output = generate(loaded, [prompt_ids], config, on_progress=progress.update)
-        _report(loaded, output, args.json)
+            output = generate(loaded, [prompt_ids], config, on_progress=progress.update, compressor=compressor)
+        _report(loaded, output, compressor, args.json)
         return EXIT_OK
+
+
+def _compressor(args: argparse.Namespace) -> Compressor | None:
+    if args.compressor is None:
+        if args.compressor_arg:
+            raise ConfigError("--compressor-arg needs --compressor")
+        return None
+    return compressors.create_from_strings(args.compressor, args.compressor_arg)
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -68,7 +88,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
-def _report(loaded: LoadedModel, output: GenerationOutput, as_json: bool) -> None:
+def _report(loaded: LoadedModel, output: GenerationOutput, compressor: Compressor | None, as_json: bool) -> None:
     request = output.requests[0]
     stats = dataclasses.asdict(output.stats)
     if as_json:
@@ -79,6 +99,7 @@ def _report(loaded: LoadedModel, output: GenerationOutput, as_json: bool) -> Non
                 "token_ids": request.token_ids,
                 "prompt_token_ids": request.prompt_token_ids,
                 "stop_reason": request.stop_reason,
+                "compressor": compressor.to_dict() if compressor else None,
                 "stats": stats,
             }
         )
@@ -87,6 +108,6 @@ def _report(loaded: LoadedModel, output: GenerationOutput, as_json: bool) -> Non
     print(
         f"\n[{loaded.name}] prompt {stats['prompt_tokens']} tokens, generated {stats['new_tokens']} "
         f"({request.stop_reason}); TTFT {stats['ttft_s']:.2f} s, decode {stats['decode_tokens_per_s']:.1f} tokens/s, "
-        f"KV {stats['kv_bytes'] / 2**20:.1f} MiB",
+        f"KV {stats['kv_bytes'] / 2**20:.1f} MiB ({stats['kv_bytes_ratio']:.2f}x smaller than fp16)",
         file=sys.stderr,
     )

@@ -24,7 +24,7 @@ class TokenProgress:
     def update(self, count: int) -> None:
         self._bar.update(count)
 
-    def __enter__(self) -> TokenProgress:
+    def __enter__(self) -> TokenProgress:  # noqa: PYI034
         return self
 
     def __exit__(

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from kvlab.cache import KVCache, forward
+from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
 from kvlab.generation.config import GenerationConfig
 from kvlab.generation.sampling import select_next_tokens
@@ -33,7 +34,9 @@ class GenerationStats:
         ttft_s: Seconds from the call to the first generated token of every row (prefill included).
         decode_s: Seconds from the first token to the last.
         decode_tokens_per_s: Tokens generated after the first ones, per second of decoding.
-        kv_bytes: Largest number of bytes the KV cache stored during the call.
+        kv_bytes: Bytes of the KV representation at its largest (full-precision parts counted in fp16).
+        kv_bytes_ratio: What the same tokens take uncompressed in fp16, divided by `kv_bytes`.
+        kv_resident_bytes: Bytes of KV tensors held in memory at the largest, working copies included.
     """
 
     prompt_tokens: int = 0
@@ -42,6 +45,16 @@ class GenerationStats:
     decode_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     kv_bytes: int = 0
+    kv_bytes_ratio: float = 1.0
+    kv_resident_bytes: int = 0
+
+    def record_cache(self, cache: KVCache) -> None:
+        """Update the KV size figures from the cache's current contents, keeping the largest."""
+        stored = cache.nbytes()
+        if stored >= self.kv_bytes:
+            self.kv_bytes = stored
+            self.kv_bytes_ratio = cache.full_nbytes() / stored if stored else 1.0
+        self.kv_resident_bytes = max(self.kv_resident_bytes, cache.resident_bytes())
 
 
 @dataclasses.dataclass(slots=True)
@@ -82,17 +95,23 @@ def check_prompts(loaded: LoadedModel, prompts: list[list[int]], max_new_tokens:
             )
 
 
-def prefill(loaded: LoadedModel, prompts: list[list[int]], capacity: int) -> tuple[KVCache, torch.Tensor]:
+def prefill(
+    loaded: LoadedModel, prompts: list[list[int]], capacity: int, compressor: Compressor | None = None
+) -> tuple[KVCache, torch.Tensor]:
     """Prefill every prompt on its own (no padding), then stack the rows into one batch cache.
+
+    The prompt's own attention is always exact; with a compressor, each layer compresses the prompt
+    right after attending over it.
 
     Returns:
         The batch cache and [B, V] logits of each prompt's last position.
     """
     caches, last_logits = [], []
     for prompt in prompts:
-        cache = KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device)
+        cache = KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device, compressor)
         input_ids = torch.tensor([prompt], device=loaded.device)
-        last_logits.append(forward(loaded.model, cache, input_ids, logits_to_keep=1)[:, -1])
+        logits = forward(loaded.model, cache, input_ids, logits_to_keep=1, compress=compressor is not None)
+        last_logits.append(logits[:, -1])
         caches.append(cache)
     cache = caches[0] if len(caches) == 1 else KVCache.stack(caches, capacity)
     return cache, torch.cat(last_logits)
@@ -103,16 +122,19 @@ def generate(
     prompts: list[list[int]],
     config: GenerationConfig,
     on_progress: ProgressCallback | None = None,
+    compressor: Compressor | None = None,
 ) -> GenerationOutput:
-    """Generate a continuation of each prompt with the full KV cache.
+    """Generate a continuation of each prompt, from the full KV cache or a compressed one.
 
-    Greedy output is token-identical to transformers' `generate(do_sample=False)`.
+    With the full cache, greedy output is token-identical to transformers' `generate(do_sample=False)`.
+    With a compressor, decoding reads only what the compressor stored (lossy).
 
     Args:
         loaded: Model from `kvlab.models.load_model`.
         prompts: Token ids per prompt (lengths may differ).
         config: Decoding settings.
         on_progress: Optional callback, see `ProgressCallback`.
+        compressor: Compress each prompt's KV after prefill and decode from it (None: full cache).
     """
     check_prompts(loaded, prompts, config.max_new_tokens)
     stopwatch = Stopwatch(loaded.device)
@@ -121,8 +143,9 @@ def generate(
         loaded.eos_token_ids, config.stop_strings, config.max_new_tokens, loaded.decode, config.ignore_eos
     )
     capacity = max(len(p) for p in prompts) + config.max_new_tokens
-    cache, logits = prefill(loaded, prompts, capacity)
-    stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts), kv_bytes=cache.nbytes())
+    cache, logits = prefill(loaded, prompts, capacity, compressor)
+    stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
+    stats.record_cache(cache)
     generated: list[list[int]] = [[] for _ in prompts]
     reasons: list[StopReason | None] = [None] * len(prompts)
     active = list(range(len(prompts)))
@@ -140,12 +163,12 @@ def generate(
         if not keep:
             break
         if len(keep) < len(active):
-            stats.kv_bytes = max(stats.kv_bytes, cache.nbytes())
+            stats.record_cache(cache)
             cache.select_rows(keep)
             active = [active[i] for i in keep]
             next_tokens = next_tokens[keep]
         logits = forward(loaded.model, cache, next_tokens[:, None], logits_to_keep=1)[:, -1]
-    stats.kv_bytes = max(stats.kv_bytes, cache.nbytes())
+    stats.record_cache(cache)
     _finish_timing(stats, stopwatch.elapsed(), len(prompts))
     requests = [
         RequestOutput(prompt, tokens, checker.final_text(loaded.decode(tokens)), reason or "length")

@@ -47,7 +47,8 @@ def _kvlab_attention(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     # [B, H, q, D] -> [B, q, H, D], the layout transformers expects back from an attention function.
-    output = kvlab_step.attend(module.layer_idx, query, key, value, scaling)
+    layer_idx: Any = module.layer_idx
+    output = kvlab_step.attend(layer_idx, query, key, value, scaling)
     return output.transpose(1, 2), None
 
 

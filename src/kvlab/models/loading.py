@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -86,11 +87,11 @@ class LoadedModel:
             raise ConfigError("the prompt is empty; pass some text with --prompt or --prompt-file")
         if raw or not self.has_chat_template:
             return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
-        encoded = self.tokenizer.apply_chat_template(
+        encoded: Any = self.tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
         )
         # transformers 5 returns a BatchEncoding here; 4.x returned a plain list.
-        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+        ids: Any = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
         return [int(i) for i in ids]
 
     def decode(self, token_ids: list[int]) -> str:
@@ -117,7 +118,7 @@ def load_model(name: str | None = None, dtype: str = "float32", device: str = "c
         directory = _converted_gguf_dir(gguf_file)
     with _quiet_transformers():
         try:
-            model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=DTYPES[dtype])
+            model: Any = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=DTYPES[dtype])
             tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         except OSError as error:
             raise ModelNotFoundError(_not_found_message(name)) from error
@@ -180,7 +181,9 @@ def _converted_gguf_dir(gguf_file: Path) -> str:
         return str(target)
     logger.info("converting %s once into %s (later loads are fast)", gguf_file, target)
     with _quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, local_files_only=True)
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            gguf_file.parent, gguf_file=gguf_file.name, local_files_only=True
+        )
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, local_files_only=True)
         # transformers refuses to save a GGUF-loaded model while it still carries the GGUF quantizer, although
         # the weights are already dequantized to float32.

@@ -1,0 +1,155 @@
+"""Quantization family: the base owns the full-precision residual window and the flush units;
+a method only quantizes and dequantizes blocks of tokens.
+
+Storage of one layer of one sequence = quantized blocks (oldest tokens) + a residual window of the
+most recent tokens in full precision. The prompt leaves at least `residual_length` tokens in the
+residual; while decoding, whenever the residual reaches `residual_length + flush_size` tokens its
+oldest `flush_size` tokens are quantized (the cache layer applies this with the methods below).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from kvlab.compress.base import FP16_BYTES, CompressedKV, CompressionContext, Compressor
+from kvlab.errors import ConfigError
+
+FULL_PRECISION_BITS = 16
+
+
+class QuantizedBlock(abc.ABC):
+    """Quantized keys or values of a run of tokens, [H_kv, n, D] once dequantized."""
+
+    num_tokens: int
+
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of codes, scales, norms and anything else the block stores."""
+
+
+@dataclasses.dataclass(slots=True)
+class QuantizedKV(CompressedKV):
+    """Quantized blocks of one layer plus the full-precision residual window.
+
+    Attributes:
+        key_blocks: Quantized key blocks, oldest first.
+        value_blocks: Quantized value blocks, aligned with `key_blocks`.
+        residual_keys: [H_kv, R, D] most recent keys in full precision.
+        residual_values: [H_kv, R, D].
+        compressor: The method that dequantizes the blocks.
+    """
+
+    key_blocks: list[QuantizedBlock]
+    value_blocks: list[QuantizedBlock]
+    residual_keys: torch.Tensor
+    residual_values: torch.Tensor
+    compressor: QuantizationCompressor
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = self.residual_keys.dtype
+        keys = [self.compressor.dequantize_keys(b).to(dtype) for b in self.key_blocks] + [self.residual_keys]
+        values = [self.compressor.dequantize_values(b).to(dtype) for b in self.value_blocks] + [self.residual_values]
+        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
+
+    def nbytes(self) -> int:
+        blocks = sum(b.nbytes() for b in self.key_blocks) + sum(b.nbytes() for b in self.value_blocks)
+        return blocks + 2 * self.residual_keys.numel() * FP16_BYTES + self.compressor.overhead_nbytes()
+
+
+@dataclasses.dataclass
+class QuantizationCompressor(Compressor):
+    """Family base: bits, flush units and the residual window; subclasses quantize blocks.
+
+    Class attributes:
+        allowed_bits: Bit widths the method supports; 16 always means "store full precision".
+    """
+
+    allowed_bits: ClassVar[tuple[int, ...]] = (FULL_PRECISION_BITS,)
+
+    bits: int = dataclasses.field(default=4, metadata={"help": "bits per code (16 = full precision, identity)"})
+    residual_length: int = dataclasses.field(
+        default=128, metadata={"help": "most recent tokens kept in full precision"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.bits not in self.allowed_bits:
+            allowed = ", ".join(str(b) for b in self.allowed_bits)
+            raise ConfigError(f"bits must be one of {allowed}, got {self.bits}")
+        if self.residual_length < 0:
+            raise ConfigError(f"residual_length must be >= 0, got {self.residual_length}")
+
+    @property
+    def is_identity(self) -> bool:
+        return self.bits == FULL_PRECISION_BITS
+
+    @property
+    def flush_size(self) -> int:
+        """Tokens quantized together (a group for per-channel key quantization, else 1)."""
+        return 1
+
+    def num_to_quantize(self, num_tokens: int) -> int:
+        """How many of the oldest `num_tokens` tokens belong in quantized storage."""
+        if self.is_identity or num_tokens < self.residual_length + self.flush_size:
+            return 0
+        return (num_tokens - self.residual_length) // self.flush_size * self.flush_size
+
+    def overhead_nbytes(self) -> int:
+        """Bytes stored once per layer and sequence (e.g. a rotation seed)."""
+        return 0
+
+    @abc.abstractmethod
+    def quantize_keys(self, keys: torch.Tensor, layer_idx: int) -> QuantizedBlock:
+        """Quantize keys [H_kv, n, D], n a multiple of `flush_size`."""
+
+    @abc.abstractmethod
+    def dequantize_keys(self, block: QuantizedBlock) -> torch.Tensor:
+        """[H_kv, n, D] float32 keys of a block."""
+
+    @abc.abstractmethod
+    def quantize_values(self, values: torch.Tensor, layer_idx: int) -> QuantizedBlock:
+        """Quantize values [H_kv, n, D]."""
+
+    @abc.abstractmethod
+    def dequantize_values(self, block: QuantizedBlock) -> torch.Tensor:
+        """[H_kv, n, D] float32 values of a block."""
+
+    def compress(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> QuantizedKV:
+        num_quantized = self.num_to_quantize(keys.shape[1])
+        key_blocks, value_blocks = [], []
+        for start in range(0, num_quantized, self.flush_size):
+            stop = start + self.flush_size
+            key_blocks.append(self.quantize_keys(keys[:, start:stop], context.layer_idx))
+            value_blocks.append(self.quantize_values(values[:, start:stop], context.layer_idx))
+        return QuantizedKV(
+            key_blocks, value_blocks, keys[:, num_quantized:], values[:, num_quantized:], compressor=self
+        )
+
+
+def uniform_quantize(
+    tensor: torch.Tensor, bits: int, dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min-max quantization along `dim` (the reduction axis of each group).
+
+    Scale and zero point are rounded to fp16 before coding, so dequantizing with the stored fp16
+    values reproduces exactly what the codes meant; the error per element is at most scale / 2.
+
+    Returns:
+        (codes uint8, scale fp16, zero fp16); scale and zero keep `dim` with size 1.
+    """
+    levels = 2**bits - 1
+    low = tensor.amin(dim=dim, keepdim=True).float()
+    high = tensor.amax(dim=dim, keepdim=True).float()
+    zero = low.to(torch.float16)
+    scale = ((high - zero.float()) / levels).to(torch.float16)
+    safe_scale = torch.where(scale.float() > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+    codes = torch.round((tensor.float() - zero.float()) / safe_scale).clamp_(0, levels).to(torch.uint8)
+    return codes, scale, zero
+
+
+def uniform_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """float32 codes * scale + zero (broadcasting over the group axis)."""
+    return codes.float() * scale.float() + zero.float()

@@ -1,0 +1,40 @@
+"""StreamingLLM: attention sinks plus a recent window."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvlab.compress.base import CompressionContext, compressors
+from kvlab.compress.eviction import ALWAYS_KEEP, EvictionCompressor
+from kvlab.errors import ConfigError
+
+
+@compressors.register("streamingllm")
+@dataclasses.dataclass
+class StreamingLLMCompressor(EvictionCompressor):
+    """StreamingLLM (Xiao et al., 2024, "Efficient Streaming Language Models with Attention Sinks").
+
+    Family: eviction. Keeps the first `num_sinks` tokens (attention sinks) and the most recent
+    tokens up to the budget; needs no observation.
+
+    Deviations from the paper:
+    - The paper rolls the window at every decoding step; kvlab selects once on the prompt and keeps
+      the tokens generated afterwards.
+    - Positions are not re-indexed inside the cache: kvlab keeps each key's original rotary phase
+      (the paper assigns cache-relative positions to extend past the training length).
+    """
+
+    num_sinks: int = dataclasses.field(default=4, metadata={"help": "initial tokens always kept"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_sinks < 0:
+            raise ConfigError(f"num_sinks must be >= 0, got {self.num_sinks}")
+
+    def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
+        num_heads, num_tokens = keys.shape[0], keys.shape[1]
+        scores = torch.arange(num_tokens, dtype=torch.float32, device=keys.device).expand(num_heads, -1).clone()
+        scores[:, : self.num_sinks] = ALWAYS_KEEP
+        return scores
