@@ -1,6 +1,15 @@
 """The only code that builds and mutates KV caches."""
 
 from kvlab.cache.kv_cache import FullKVLayer, KVCache, KVLayer
-from kvlab.cache.step import ForwardStep, forward
+from kvlab.cache.step import ForwardStep, PairedPrefillStep, VerifyStep, forward, run_step
 
-__all__ = ["ForwardStep", "FullKVLayer", "KVCache", "KVLayer", "forward"]
+__all__ = [
+    "ForwardStep",
+    "FullKVLayer",
+    "KVCache",
+    "KVLayer",
+    "PairedPrefillStep",
+    "VerifyStep",
+    "forward",
+    "run_step",
+]

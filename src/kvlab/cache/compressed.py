@@ -136,8 +136,10 @@ class QuantizedKVLayer(FullKVLayer):
                 self._store_block(row, key_block, value_block)
             self.active[row] = True
 
-    def append(self, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
-        super().append(new_keys, new_values)
+    def append(self, new_keys: torch.Tensor, new_values: torch.Tensor, counts: list[int] | None = None) -> None:
+        super().append(new_keys, new_values, counts)
+        if self.deferred:
+            return
         flush = self.compressor.flush_size
         for row, length in enumerate(self.lengths):
             if not self.active[row]:

@@ -10,7 +10,9 @@ numbers of tokens.
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
+from collections.abc import Iterator
 
 import torch
 
@@ -23,14 +25,16 @@ class KVLayer(abc.ABC):
     """Storage of one attention layer's keys/values for a batch of rows."""
 
     sliding_window: int | None
+    deferred: bool = False
 
     @abc.abstractmethod
-    def append(self, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
-        """Store `q` new tokens at the end of every row.
+    def append(self, new_keys: torch.Tensor, new_values: torch.Tensor, counts: list[int] | None = None) -> None:
+        """Store new tokens at the end of every row.
 
         Args:
             new_keys: [B, H_kv, q, D] keys with rotary applied.
             new_values: [B, H_kv, q, D].
+            counts: Store only the first counts[b] of the q tokens of row b (default: all q).
         """
 
     @abc.abstractmethod
@@ -104,18 +108,20 @@ class FullKVLayer(KVLayer):
     def capacity(self) -> int:
         return self.keys.shape[2]
 
-    def append(self, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
+    def append(self, new_keys: torch.Tensor, new_values: torch.Tensor, counts: list[int] | None = None) -> None:
         num_new = new_keys.shape[2]
         self._reserve(max(self.lengths) + num_new)
-        if len(set(self.lengths)) == 1:
+        if counts is None and len(set(self.lengths)) == 1:
             start = self.lengths[0]
             self.keys[:, :, start : start + num_new] = new_keys
             self.values[:, :, start : start + num_new] = new_values
-        else:
-            for row, start in enumerate(self.lengths):
-                self.keys[row, :, start : start + num_new] = new_keys[row]
-                self.values[row, :, start : start + num_new] = new_values[row]
-        self.lengths = [length + num_new for length in self.lengths]
+            self.lengths = [length + num_new for length in self.lengths]
+            return
+        counts = counts or [num_new] * len(self.lengths)
+        for row, (start, count) in enumerate(zip(self.lengths, counts)):
+            self.keys[row, :, start : start + count] = new_keys[row, :, :count]
+            self.values[row, :, start : start + count] = new_values[row, :, :count]
+        self.lengths = [length + count for length, count in zip(self.lengths, counts)]
 
     def attend(self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float) -> torch.Tensor:
         num_keys = max(self.lengths)
@@ -222,9 +228,38 @@ class KVCache:
         starts = torch.tensor(self.seq_lengths, dtype=torch.long)
         return (starts[:, None] + torch.arange(num_new)).to(device)
 
-    def advance(self, num_new: int) -> None:
-        """Record that every row consumed `num_new` more tokens (called after a forward)."""
-        self.seq_lengths = [length + num_new for length in self.seq_lengths]
+    def advance(self, counts: int | list[int]) -> None:
+        """Record that row b consumed counts[b] more tokens (an int: every row the same)."""
+        per_row = [counts] * self.batch_size if isinstance(counts, int) else counts
+        self.seq_lengths = [length + count for length, count in zip(self.seq_lengths, per_row)]
+
+    def append(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], counts: list[int]) -> None:
+        """Store keys/values computed elsewhere (e.g. by the verify pass): counts[b] tokens of row b.
+
+        Args:
+            layer_kv: Per layer, ([B, H_kv, q, D] keys, values) with rotary applied.
+            counts: Tokens to take from the front of each row's q.
+        """
+        for layer, (keys, values) in zip(self.layers, layer_kv):
+            layer.append(keys, values, counts)
+        self.advance(counts)
+
+    def drop_last(self, counts: int | list[int]) -> None:
+        """Roll back the counts[b] most recent tokens of each row."""
+        per_row = [counts] * self.batch_size if isinstance(counts, int) else counts
+        self.crop([length - count for length, count in zip(self.seq_lengths, per_row)])
+
+    @contextlib.contextmanager
+    def provisional(self) -> Iterator[None]:
+        """Tokens appended inside are provisional: compressed layers postpone compressing them, so a
+        rollback (e.g. of rejected draft tokens) never has to undo a compression."""
+        for layer in self.layers:
+            layer.deferred = True
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.deferred = False
 
     def crop(self, lengths: int | list[int]) -> None:
         """Roll every row back so it holds exactly its first `lengths[b]` tokens."""

@@ -35,7 +35,54 @@ class ForwardStep:
         return output
 
 
+@dataclasses.dataclass(slots=True)
+class VerifyStep(ForwardStep):
+    """A forward on the full cache that also keeps each layer's new keys/values (exact KV of the
+    verified tokens, to hand to the draft cache afterwards)."""
+
+    captured: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+
+    def attend(
+        self, layer_idx: int, queries: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        self.captured.append((new_keys, new_values))
+        return ForwardStep.attend(self, layer_idx, queries, new_keys, new_values, scaling)
+
+
+@dataclasses.dataclass(slots=True)
+class PairedPrefillStep(ForwardStep):
+    """Prefill that fills the full cache exactly and gives a compressed copy of the prompt to a second
+    cache (the drafter's), from the same forward."""
+
+    draft_cache: KVCache | None = None
+
+    def attend(
+        self, layer_idx: int, queries: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        output = ForwardStep.attend(self, layer_idx, queries, new_keys, new_values, scaling)
+        assert self.draft_cache is not None
+        draft_layer = self.draft_cache.layers[layer_idx]
+        draft_layer.append(new_keys, new_values)
+        draft_layer.compress_prompt(queries, scaling, layer_idx)
+        return output
+
+
 @torch.inference_mode()
+def run_step(model: PreTrainedModel, step: ForwardStep, input_ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+    """Feed `input_ids` [B, q] through `model` with attention handled by `step`; advances its cache."""
+    if input_ids.shape[0] != step.cache.batch_size:
+        raise ValueError(f"input has {input_ids.shape[0]} rows but the cache holds {step.cache.batch_size}")
+    output = model(
+        input_ids=input_ids,
+        position_ids=step.query_positions,
+        use_cache=False,
+        logits_to_keep=logits_to_keep,
+        kvlab_step=step,
+    )
+    step.cache.advance(input_ids.shape[1])
+    return output.logits
+
+
 def forward(
     model: PreTrainedModel, cache: KVCache, input_ids: torch.Tensor, logits_to_keep: int = 0, compress: bool = False
 ) -> torch.Tensor:
@@ -55,16 +102,5 @@ def forward(
     Returns:
         [B, q or logits_to_keep, V] logits.
     """
-    if input_ids.shape[0] != cache.batch_size:
-        raise ValueError(f"input has {input_ids.shape[0]} rows but the cache holds {cache.batch_size}")
     positions = cache.next_positions(input_ids.shape[1], input_ids.device)
-    step = ForwardStep(cache, positions, compress)
-    output = model(
-        input_ids=input_ids,
-        position_ids=positions,
-        use_cache=False,
-        logits_to_keep=logits_to_keep,
-        kvlab_step=step,
-    )
-    cache.advance(input_ids.shape[1])
-    return output.logits
+    return run_step(model, ForwardStep(cache, positions, compress), input_ids, logits_to_keep)

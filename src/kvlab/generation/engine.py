@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,10 +16,14 @@ from kvlab.cache import KVCache, forward
 from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
 from kvlab.generation.config import GenerationConfig
+from kvlab.generation.rows import BatchRows
 from kvlab.generation.sampling import select_next_tokens
 from kvlab.generation.stopping import StopChecker, StopReason
 from kvlab.models import LoadedModel
 from kvlab.timing import Stopwatch
+
+if TYPE_CHECKING:
+    from kvlab.spec.stats import SpecStats
 
 ProgressCallback = Callable[[int], None]
 """Called after every decode step with the number of tokens that step produced (across rows)."""
@@ -76,8 +81,11 @@ class RequestOutput:
 
 @dataclasses.dataclass(slots=True)
 class GenerationOutput:
+    """Outputs of a batch; `spec` holds draft/verify statistics when generation was speculative."""
+
     requests: list[RequestOutput]
     stats: GenerationStats
+    spec: SpecStats | None = None
 
 
 def check_prompts(loaded: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> None:
@@ -146,38 +154,39 @@ def generate(
     cache, logits = prefill(loaded, prompts, capacity, compressor)
     stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
     stats.record_cache(cache)
-    generated: list[list[int]] = [[] for _ in prompts]
-    reasons: list[StopReason | None] = [None] * len(prompts)
-    active = list(range(len(prompts)))
+    rows = BatchRows(len(prompts), checker)
     while True:
         next_tokens = select_next_tokens(logits, config, generator)
-        for row, token in zip(active, next_tokens.tolist()):
-            generated[row].append(token)
-            reasons[row] = checker.check(generated[row])
+        for row, token in enumerate(next_tokens.tolist()):
+            rows.emit(row, [token])
         if stats.new_tokens == 0:
             stats.ttft_s = stopwatch.elapsed()
-        stats.new_tokens += len(active)
+        stats.new_tokens += len(rows.active)
         if on_progress is not None:
-            on_progress(len(active))
-        keep = [i for i, row in enumerate(active) if reasons[row] is None]
+            on_progress(len(rows.active))
+        keep = rows.running_rows()
         if not keep:
             break
-        if len(keep) < len(active):
+        if len(keep) < len(rows.active):
             stats.record_cache(cache)
             cache.select_rows(keep)
-            active = [active[i] for i in keep]
+            rows.keep(keep)
             next_tokens = next_tokens[keep]
         logits = forward(loaded.model, cache, next_tokens[:, None], logits_to_keep=1)[:, -1]
     stats.record_cache(cache)
-    _finish_timing(stats, stopwatch.elapsed(), len(prompts))
-    requests = [
-        RequestOutput(prompt, tokens, checker.final_text(loaded.decode(tokens)), reason or "length")
-        for prompt, tokens, reason in zip(prompts, generated, reasons)
+    finish_timing(stats, stopwatch.elapsed(), len(prompts))
+    return GenerationOutput(collect_requests(loaded, prompts, rows), stats)
+
+
+def collect_requests(loaded: LoadedModel, prompts: list[list[int]], rows: BatchRows) -> list[RequestOutput]:
+    """The per-request outputs once every row has stopped."""
+    return [
+        RequestOutput(prompt, tokens, rows.checker.final_text(loaded.decode(tokens)), rows.reason(request))
+        for request, (prompt, tokens) in enumerate(zip(prompts, rows.generated))
     ]
-    return GenerationOutput(requests, stats)
 
 
-def _finish_timing(stats: GenerationStats, total_s: float, num_rows: int) -> None:
+def finish_timing(stats: GenerationStats, total_s: float, num_rows: int) -> None:
     stats.decode_s = total_s - stats.ttft_s
     decoded_after_first = stats.new_tokens - num_rows
     stats.decode_tokens_per_s = decoded_after_first / stats.decode_s if stats.decode_s > 0 else 0.0

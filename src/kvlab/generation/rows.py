@@ -1,0 +1,44 @@
+"""Bookkeeping of a batch being decoded: what each row generated, which rows are still running."""
+
+from __future__ import annotations
+
+from kvlab.generation.stopping import StopChecker, StopReason
+
+
+class BatchRows:
+    """Generated tokens and stop reasons of a batch whose finished rows leave it.
+
+    `active[i]` is the request index of the i-th row still in the batch (the caches hold rows in
+    that order).
+    """
+
+    def __init__(self, num_requests: int, checker: StopChecker) -> None:
+        self.checker = checker
+        self.generated: list[list[int]] = [[] for _ in range(num_requests)]
+        self.reasons: list[StopReason | None] = [None] * num_requests
+        self.active = list(range(num_requests))
+
+    def emit(self, row: int, tokens: list[int]) -> int:
+        """Append `tokens` to batch row `row` one by one until it stops; returns how many were kept."""
+        request = self.active[row]
+        for count, token in enumerate(tokens, start=1):
+            self.generated[request].append(token)
+            self.reasons[request] = self.checker.check(self.generated[request])
+            if self.reasons[request] is not None:
+                return count
+        return len(tokens)
+
+    def remaining(self, row: int) -> int:
+        """Tokens batch row `row` may still generate before its length limit."""
+        return self.checker.max_new_tokens - len(self.generated[self.active[row]])
+
+    def running_rows(self) -> list[int]:
+        """Batch positions of rows that have not stopped."""
+        return [i for i, request in enumerate(self.active) if self.reasons[request] is None]
+
+    def keep(self, rows: list[int]) -> None:
+        """Shrink the batch to `rows` (batch positions), as the caches are shrunk."""
+        self.active = [self.active[i] for i in rows]
+
+    def reason(self, request: int) -> StopReason:
+        return self.reasons[request] or "length"

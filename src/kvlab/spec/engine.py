@@ -1,0 +1,231 @@
+"""Lossless speculative decoding (VeriCache): draft from a compressed cache, verify with the full one.
+
+The same model drafts k tokens from the KV cache a compressor produced, then one forward over the k
+drafts on the full cache verifies them. Accepted drafts plus the full model's own next token are
+emitted; both caches roll back to the accepted length, and the exact KV of the accepted tokens,
+computed by the verify pass, replaces the drafter's own in the compressed cache. Greedy output is
+therefore the full model's greedy output, and sampling (rejection sampling) follows the full model's
+distribution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+
+from kvlab.cache import KVCache, PairedPrefillStep, VerifyStep, forward, run_step
+from kvlab.compress import Compressor
+from kvlab.errors import ConfigError
+from kvlab.generation.config import GenerationConfig
+from kvlab.generation.engine import (
+    GenerationOutput,
+    GenerationStats,
+    ProgressCallback,
+    check_prompts,
+    collect_requests,
+    finish_timing,
+)
+from kvlab.generation.rows import BatchRows
+from kvlab.generation.sampling import select_next_tokens, token_probabilities
+from kvlab.generation.stopping import StopChecker
+from kvlab.models import LoadedModel
+from kvlab.spec.acceptance import greedy_accept, rejection_sample
+from kvlab.spec.draft_length import DraftLengthController
+from kvlab.spec.stats import SpecStats
+from kvlab.timing import Stopwatch
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """How to draft and verify.
+
+    Attributes:
+        drafter: The compressor whose cache drafts (any registered method).
+        draft_length: Tokens drafted per round, or "auto" to adapt to measured acceptance and costs.
+        max_draft_length: Upper bound of adaptive draft lengths.
+    """
+
+    drafter: Compressor
+    draft_length: int | Literal["auto"] = "auto"
+    max_draft_length: int = 64
+
+    def __post_init__(self) -> None:
+        if self.draft_length != "auto" and (not isinstance(self.draft_length, int) or self.draft_length < 1):
+            raise ConfigError(f"draft length must be a positive integer or 'auto', got {self.draft_length!r}")
+        if self.max_draft_length < 1:
+            raise ConfigError(f"max_draft_length must be at least 1, got {self.max_draft_length}")
+
+    def controller(self) -> DraftLengthController:
+        fixed = None if self.draft_length == "auto" else int(self.draft_length)
+        return DraftLengthController(fixed=fixed, max_length=self.max_draft_length)
+
+
+@dataclasses.dataclass(slots=True)
+class _Round:
+    """One draft/verify round of the whole batch."""
+
+    draft_token_ids: torch.Tensor  # [B, k] int64
+    draft_probs: torch.Tensor | None  # [B, k, V] float32 when sampling
+    num_accepted: list[int]  # per row, 0..k
+    next_token_ids: torch.Tensor  # [B] int64, correction or bonus token
+
+
+def prefill_pair(
+    loaded: LoadedModel, prompts: list[list[int]], capacity: int, drafter: Compressor
+) -> tuple[KVCache, KVCache, torch.Tensor]:
+    """Prefill each prompt once, filling the full cache and the drafter's compressed cache together.
+
+    Returns:
+        (full cache, draft cache, [B, V] logits of each prompt's last position, exact).
+    """
+    fulls, drafts, last_logits = [], [], []
+    for prompt in prompts:
+        full = KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device)
+        draft = KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device, drafter)
+        input_ids = torch.tensor([prompt], device=loaded.device)
+        step = PairedPrefillStep(full, full.next_positions(len(prompt), loaded.device), draft_cache=draft)
+        last_logits.append(run_step(loaded.model, step, input_ids, logits_to_keep=1)[:, -1])
+        draft.advance(len(prompt))
+        fulls.append(full)
+        drafts.append(draft)
+    if len(prompts) == 1:
+        return fulls[0], drafts[0], last_logits[0]
+    return KVCache.stack(fulls, capacity), KVCache.stack(drafts, capacity), torch.cat(last_logits)
+
+
+def generate_lossless(
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    config: GenerationConfig,
+    spec: SpecConfig,
+    on_progress: ProgressCallback | None = None,
+) -> GenerationOutput:
+    """Generate with a compressed-cache drafter and full-cache verification.
+
+    Greedy output equals `kvlab.generation.generate` with the full cache (float32); with sampling the
+    tokens follow the full model's distribution.
+
+    Args:
+        loaded: Model from `kvlab.models.load_model`.
+        prompts: Token ids per prompt.
+        config: Decoding settings (greedy when temperature is 0).
+        spec: Drafter and draft length.
+        on_progress: Called after each round with the number of tokens emitted.
+    """
+    check_prompts(loaded, prompts, config.max_new_tokens)
+    stopwatch = Stopwatch(loaded.device)
+    generator = None if config.greedy else torch.Generator(loaded.device).manual_seed(config.seed)
+    checker = StopChecker(loaded.eos_token_ids, config.stop_strings, config.max_new_tokens, loaded.decode, config.ignore_eos)
+    controller = spec.controller()
+    capacity = max(len(p) for p in prompts) + config.max_new_tokens + spec.max_draft_length + 2
+    full, draft, logits = prefill_pair(loaded, prompts, capacity, spec.drafter)
+    stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
+    stats.record_cache(draft)
+    spec_stats = SpecStats()
+    rows = BatchRows(len(prompts), checker)
+    last_tokens = select_next_tokens(logits, config, generator)
+    for row, token in enumerate(last_tokens.tolist()):
+        rows.emit(row, [token])
+    stats.ttft_s = stopwatch.elapsed()
+    stats.new_tokens += len(prompts)
+    _report(on_progress, len(prompts))
+    while True:
+        keep = rows.running_rows()
+        if not keep:
+            break
+        if len(keep) < len(rows.active):
+            for cache in (full, draft):
+                cache.select_rows(keep)
+            rows.keep(keep)
+            last_tokens = last_tokens[keep]
+        num_draft = min(controller.next_length(), max(rows.remaining(row) for row in range(len(rows.active))) - 1)
+        round_ = _draft_and_verify(loaded, full, draft, last_tokens, max(num_draft, 0), config, generator, controller, spec_stats)
+        emitted = 0
+        for row, accepted in enumerate(round_.num_accepted):
+            tokens = round_.draft_token_ids[row, :accepted].tolist() + [int(round_.next_token_ids[row])]
+            emitted += rows.emit(row, tokens)
+        stats.new_tokens += emitted
+        stats.record_cache(draft)
+        _report(on_progress, emitted)
+        last_tokens = round_.next_token_ids
+    finish_timing(stats, stopwatch.elapsed(), len(prompts))
+    return GenerationOutput(collect_requests(loaded, prompts, rows), stats, spec_stats)
+
+
+def _draft_and_verify(
+    loaded: LoadedModel,
+    full: KVCache,
+    draft: KVCache,
+    last_tokens: torch.Tensor,
+    num_draft: int,
+    config: GenerationConfig,
+    generator: torch.Generator | None,
+    controller: DraftLengthController,
+    spec_stats: SpecStats,
+) -> _Round:
+    """Draft `num_draft` tokens per row, verify them in one pass, roll both caches to the accepted length."""
+    draft_clock = Stopwatch(loaded.device)
+    draft_token_ids, draft_probs = _draft(loaded, draft, last_tokens, num_draft, config, generator)
+    draft_s = draft_clock.elapsed()
+    verify_clock = Stopwatch(loaded.device)
+    verify_ids = torch.cat([last_tokens[:, None], draft_token_ids], dim=1)
+    step = VerifyStep(full, full.next_positions(num_draft + 1, loaded.device))
+    target_logits = run_step(loaded.model, step, verify_ids)
+    if config.greedy:
+        num_accepted, next_token_ids = greedy_accept(draft_token_ids, target_logits)
+    else:
+        assert draft_probs is not None
+        target_probs = token_probabilities(target_logits, config.temperature, config.top_p)
+        num_accepted, next_token_ids = rejection_sample(draft_token_ids, draft_probs, target_probs, generator)
+    accepted = num_accepted.tolist()
+    # The full cache keeps last token + accepted drafts; the draft cache drops everything it drafted and
+    # takes the exact KV of the same tokens from the verify pass instead.
+    full.drop_last([num_draft - n for n in accepted])
+    draft.drop_last(num_draft)
+    draft.append(step.captured, [n + 1 for n in accepted])
+    verify_s = verify_clock.elapsed()
+    spec_stats.draft_s += draft_s
+    spec_stats.verify_s += verify_s
+    spec_stats.record_round(num_draft, accepted)
+    controller.update(num_draft, accepted, draft_s, verify_s)
+    return _Round(draft_token_ids, draft_probs, accepted, next_token_ids)
+
+
+def _draft(
+    loaded: LoadedModel,
+    draft: KVCache,
+    last_tokens: torch.Tensor,
+    num_draft: int,
+    config: GenerationConfig,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Decode `num_draft` tokens per row from the compressed cache (provisionally appended).
+
+    Returns:
+        ([B, k] int64 drafts, [B, k, V] float32 draft distributions when sampling, else None).
+    """
+    tokens, probs = [], []
+    current = last_tokens
+    with draft.provisional():
+        for _ in range(num_draft):
+            logits = forward(loaded.model, draft, current[:, None], logits_to_keep=1)[:, -1]
+            if not config.greedy:
+                probs.append(token_probabilities(logits, config.temperature, config.top_p))
+            current = select_next_tokens(logits, config, generator) if config.greedy else torch.multinomial(
+                probs[-1], 1, generator=generator
+            ).squeeze(1)
+            tokens.append(current)
+    batch = last_tokens.shape[0]
+    draft_token_ids = torch.stack(tokens, dim=1) if tokens else last_tokens.new_empty(batch, 0)
+    if config.greedy:
+        return draft_token_ids, None
+    if probs:
+        return draft_token_ids, torch.stack(probs, dim=1)
+    return draft_token_ids, torch.empty(batch, 0, loaded.model.config.vocab_size)
+
+
+def _report(on_progress: ProgressCallback | None, count: int) -> None:
+    if on_progress is not None:
+        on_progress(count)

@@ -1,0 +1,144 @@
+"""Lossless speculative decoding: greedy output equals plain decoding, sampling keeps the distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.compress import compressors, create_compressor
+from kvlab.errors import ConfigError
+from kvlab.generation import GenerationConfig, generate
+from kvlab.spec import SpecConfig, generate_lossless, greedy_accept, rejection_sample
+from kvlab.spec.draft_length import DraftLengthController
+from tests.conftest import tiny_llama
+
+# A lossy setting of every registered drafter (the matrix must cover the registry).
+DRAFTERS: dict[str, dict[str, object]] = {
+    "snapkv": {"compression_ratio": 0.8, "window_size": 8},
+    "h2o": {"budget": 16},
+    "streamingllm": {"budget": 12},
+    "cam": {"compression_ratio": 0.7, "merge_span": 4},
+    "kivi": {"bits": 2, "group_size": 8, "residual_length": 8},
+    "turboquant": {"bits": 2},
+}
+
+
+def _prompts(*lengths: int) -> list[list[int]]:
+    return [torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+
+
+def test_every_registered_compressor_is_a_tested_drafter() -> None:
+    assert sorted(DRAFTERS) == compressors.names()
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+@pytest.mark.parametrize("draft_length", [1, 4, 16, "auto"])
+def test_greedy_output_equals_plain_decoding(name: str, draft_length: int | str) -> None:
+    loaded = tiny_llama(num_kv_heads=2)
+    prompts = _prompts(60, 90, 45)
+    config = GenerationConfig(max_new_tokens=40)
+    expected = generate(loaded, prompts, config)
+    spec = SpecConfig(create_compressor(name, **DRAFTERS[name]), draft_length)  # type: ignore[arg-type]
+    for batch in (prompts, prompts[:1]):
+        output = generate_lossless(loaded, batch, config, spec)
+        for index, request in enumerate(output.requests):
+            assert request.token_ids == expected.requests[index].token_ids, f"{name} k={draft_length} prompt {index}"
+
+
+def test_greedy_output_equals_plain_decoding_across_eos() -> None:
+    loaded = tiny_llama(num_kv_heads=2)
+    prompts = _prompts(50, 70, 30)
+    free = generate(loaded, prompts, GenerationConfig(max_new_tokens=30, ignore_eos=True))
+    # Declare a token the first prompt produces mid-way to be end-of-sequence: rows stop at different rounds.
+    loaded.model.generation_config.eos_token_id = free.requests[0].token_ids[9]
+    config = GenerationConfig(max_new_tokens=30)
+    expected = generate(loaded, prompts, config)
+    assert expected.requests[0].stop_reason == "eos"
+    output = generate_lossless(loaded, prompts, config, SpecConfig(create_compressor("snapkv", compression_ratio=0.5), 8))
+    assert [r.token_ids for r in output.requests] == [r.token_ids for r in expected.requests]
+    assert [r.stop_reason for r in output.requests] == [r.stop_reason for r in expected.requests]
+
+
+@pytest.mark.parametrize("draft_length", [1, 4, 16])
+def test_an_identity_drafter_is_always_accepted(draft_length: int) -> None:
+    loaded = tiny_llama(num_kv_heads=2)
+    config = GenerationConfig(max_new_tokens=1 + 5 * (draft_length + 1), ignore_eos=True)
+    spec = SpecConfig(create_compressor("snapkv", compression_ratio=0.0), draft_length)
+    output = generate_lossless(loaded, _prompts(40), config, spec)
+    assert output.spec is not None
+    assert output.spec.acceptance_length == draft_length + 1
+    assert output.spec.accepted_tokens == output.spec.draft_tokens == 5 * draft_length
+    assert output.spec.accepted_per_position == [5] * draft_length
+
+
+def test_stats_count_rounds_and_tokens() -> None:
+    loaded = tiny_llama(num_kv_heads=2)
+    output = generate_lossless(
+        loaded, _prompts(40, 50), GenerationConfig(max_new_tokens=20, ignore_eos=True),
+        SpecConfig(create_compressor("streamingllm", budget=8), 4),
+    )
+    spec = output.spec
+    assert spec is not None and spec.rounds > 0
+    assert spec.draft_tokens == sum(spec.drafted_per_position)
+    assert spec.accepted_tokens == sum(spec.accepted_per_position)
+    assert spec.acceptance_length == pytest.approx((spec.accepted_tokens + spec.rounds) / spec.rounds)
+    assert spec.draft_s > 0 and spec.verify_s > 0
+    assert all(len(r.token_ids) == 20 for r in output.requests)
+
+
+def test_greedy_accept_takes_the_longest_matching_prefix_and_the_targets_next_token() -> None:
+    target_logits = torch.full((3, 4, 5), -10.0)
+    for row, argmaxes in enumerate([[1, 2, 3, 4], [1, 0, 3, 4], [0, 2, 3, 4]]):
+        for position, token in enumerate(argmaxes):
+            target_logits[row, position, token] = 10.0
+    drafts = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    num_accepted, next_tokens = greedy_accept(drafts, target_logits)
+    assert num_accepted.tolist() == [3, 1, 0]
+    assert next_tokens.tolist() == [4, 0, 0]
+
+
+def test_rejection_sampling_reproduces_the_target_distribution() -> None:
+    # One draft token from q, then the emitted token must follow p exactly: a chi-square statistic
+    # over 60k draws stays below the 0.999 quantile (16.3 for 3 degrees of freedom); sampling the
+    # emitted token from q instead gives a statistic in the thousands.
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    q = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    draws = 60_000
+    generator = torch.Generator().manual_seed(0)
+    drafts = torch.multinomial(q.expand(draws, 4), 1, replacement=True, generator=generator)
+    target = torch.stack([p, torch.full((4,), 0.25)]).expand(draws, 2, 4)
+    num_accepted, next_tokens = rejection_sample(drafts, q.expand(draws, 1, 4), target, generator)
+    emitted = torch.where(num_accepted == 1, drafts[:, 0], next_tokens)
+    counts = torch.bincount(emitted, minlength=4).float()
+    expected = p * draws
+    chi_square = float(((counts - expected) ** 2 / expected).sum())
+    assert chi_square < 16.3, chi_square
+    wrong = torch.bincount(drafts[:, 0], minlength=4).float()
+    assert float(((wrong - expected) ** 2 / expected).sum()) > 1000
+
+
+def test_sampled_speculative_decoding_is_seeded() -> None:
+    loaded = tiny_llama(num_kv_heads=2)
+    config = GenerationConfig(max_new_tokens=25, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
+    spec = SpecConfig(create_compressor("kivi", bits=2, group_size=8, residual_length=8), 4)
+    first = generate_lossless(loaded, _prompts(40), config, spec).requests[0].token_ids
+    again = generate_lossless(loaded, _prompts(40), config, spec).requests[0].token_ids
+    assert first == again and len(first) == 25
+
+
+def test_adaptive_draft_length_grows_with_acceptance_and_shrinks_without() -> None:
+    controller = DraftLengthController(initial_length=8, max_length=64)
+    assert controller.next_length() == 8
+    for _ in range(6):
+        controller.update(8, [8], draft_s=8 * 0.01, verify_s=0.1)
+    long = controller.next_length()
+    poor = DraftLengthController(initial_length=8, max_length=64)
+    for _ in range(6):
+        poor.update(8, [0], draft_s=8 * 0.01, verify_s=0.1)
+    assert long >= 24 and poor.next_length() <= 2
+
+
+@pytest.mark.parametrize("draft_length", [0, -3, "many"])
+def test_bad_draft_lengths_are_refused(draft_length: object) -> None:
+    with pytest.raises(ConfigError, match="draft length"):
+        SpecConfig(create_compressor("snapkv"), draft_length)  # type: ignore[arg-type]
