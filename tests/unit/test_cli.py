@@ -54,3 +54,19 @@ def test_non_utf8_prompt_file_is_a_usage_error(tmp_path: Path, capsys: pytest.Ca
     prompt.write_bytes(b"\xff\xfe\x00bad")
     assert main(["generate", "--prompt-file", str(prompt)]) == 2
     assert "not UTF-8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lossless", "--drafter", "zipkv"], "unknown compressor 'zipkv'"),
+        (["--lossless", "--draft-length", "0"], "draft length must be a positive integer"),
+        (["--lossless", "--draft-length", "lots"], "--draft-length must be a positive integer or 'auto'"),
+        (["--draft-length", "4"], "need --lossless"),
+        (["--lossless", "--compressor", "kivi"], "with --lossless choose the drafter with --drafter"),
+        (["--compressor-arg", "bits=2"], "--compressor-arg needs --compressor"),
+    ],
+)
+def test_bad_lossless_options_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--prompt", "hi", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -13,6 +13,7 @@ from kvlab.compress import Compressor, compressors
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, GenerationOutput, generate
 from kvlab.models import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
+from kvlab.spec import SpecConfig, generate_lossless
 
 
 class GenerateCommand(Command):
@@ -43,6 +44,11 @@ class GenerateCommand(Command):
             metavar="KEY=VALUE",
             help="a compressor parameter, e.g. compression_ratio=0.9 or bits=4 (repeatable)",
         )
+        lossless = parser.add_argument_group("lossless speculative decoding (output identical to the full cache)")
+        lossless.add_argument("--lossless", action="store_true", help="draft from a compressed cache, verify with the full one")
+        lossless.add_argument("--drafter", default="snapkv", help="compressor whose cache drafts (default snapkv)")
+        lossless.add_argument("--drafter-arg", action="append", default=[], metavar="KEY=VALUE", help="drafter parameter")
+        lossless.add_argument("--draft-length", default="auto", help="tokens drafted per round, or 'auto' (default)")
         add_json_flag(parser)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -56,12 +62,33 @@ class GenerateCommand(Command):
             ignore_eos=args.ignore_eos,
         )
         compressor = _compressor(args)
+        spec = _spec_config(args)
         loaded = load_model(args.model, dtype=args.dtype, device=args.device)
         prompt_ids = loaded.encode_prompt(text, raw=args.raw)
         with TokenProgress(total=config.max_new_tokens, enabled=not args.json) as progress:
-            output = generate(loaded, [prompt_ids], config, on_progress=progress.update, compressor=compressor)
+            if spec is not None:
+                output = generate_lossless(loaded, [prompt_ids], config, spec, on_progress=progress.update)
+            else:
+                output = generate(loaded, [prompt_ids], config, on_progress=progress.update, compressor=compressor)
         _report(loaded, output, compressor, args.json)
         return EXIT_OK
+
+
+def _spec_config(args: argparse.Namespace) -> SpecConfig | None:
+    if not args.lossless:
+        if args.drafter_arg or args.draft_length != "auto":
+            raise ConfigError("--drafter-arg and --draft-length need --lossless")
+        return None
+    if args.compressor is not None:
+        raise ConfigError("--compressor decodes lossily; with --lossless choose the drafter with --drafter")
+    draft_length: int | str = args.draft_length
+    if draft_length != "auto":
+        try:
+            draft_length = int(draft_length)
+        except ValueError:
+            raise ConfigError(f"--draft-length must be a positive integer or 'auto', got {draft_length!r}") from None
+    drafter = compressors.create_from_strings(args.drafter, args.drafter_arg)
+    return SpecConfig(drafter, draft_length)  # type: ignore[arg-type]
 
 
 def _compressor(args: argparse.Namespace) -> Compressor | None:
@@ -91,6 +118,16 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def _report(loaded: LoadedModel, output: GenerationOutput, compressor: Compressor | None, as_json: bool) -> None:
     request = output.requests[0]
     stats = dataclasses.asdict(output.stats)
+    if output.spec is not None:
+        spec = output.spec
+        stats.update(
+            acceptance_length=spec.acceptance_length,
+            rounds=spec.rounds,
+            draft_tokens=spec.draft_tokens,
+            accepted_tokens=spec.accepted_tokens,
+            draft_s=spec.draft_s,
+            verify_s=spec.verify_s,
+        )
     if as_json:
         print_json(
             {
@@ -111,3 +148,9 @@ def _report(loaded: LoadedModel, output: GenerationOutput, compressor: Compresso
         f"KV {stats['kv_bytes'] / 2**20:.1f} MiB ({stats['kv_bytes_ratio']:.2f}x smaller than fp16)",
         file=sys.stderr,
     )
+    if output.spec is not None:
+        print(
+            f"lossless: {output.spec.rounds} rounds, acceptance length {output.spec.acceptance_length:.1f} "
+            f"({output.spec.accepted_tokens}/{output.spec.draft_tokens} drafts accepted)",
+            file=sys.stderr,
+        )

@@ -103,7 +103,7 @@ class QuantizationCompressor(Compressor):
 
     @abc.abstractmethod
     def quantize_keys(self, keys: torch.Tensor, layer_idx: int) -> QuantizedBlock:
-        """Quantize keys [H_kv, n, D], n a multiple of `flush_size`."""
+        """Quantize keys [H_kv, n, D], n a multiple of `flush_size` (groups of `flush_size` tokens)."""
 
     @abc.abstractmethod
     def dequantize_keys(self, block: QuantizedBlock) -> torch.Tensor:
@@ -120,10 +120,10 @@ class QuantizationCompressor(Compressor):
     def compress(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> QuantizedKV:
         num_quantized = self.num_to_quantize(keys.shape[1])
         key_blocks, value_blocks = [], []
-        for start in range(0, num_quantized, self.flush_size):
-            stop = start + self.flush_size
-            key_blocks.append(self.quantize_keys(keys[:, start:stop], context.layer_idx))
-            value_blocks.append(self.quantize_values(values[:, start:stop], context.layer_idx))
+        if num_quantized:
+            # One block for the whole quantized prompt: groups never straddle a multiple of flush_size.
+            key_blocks.append(self.quantize_keys(keys[:, :num_quantized], context.layer_idx))
+            value_blocks.append(self.quantize_values(values[:, :num_quantized], context.layer_idx))
         return QuantizedKV(
             key_blocks, value_blocks, keys[:, num_quantized:], values[:, num_quantized:], compressor=self
         )

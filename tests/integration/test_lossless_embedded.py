@@ -1,0 +1,80 @@
+"""Lossless decoding on the embedded model with a long real document: identical to plain greedy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvlab.cli import main
+from kvlab.compress import create_compressor
+from kvlab.data import document_token_ids
+from kvlab.generation import GenerationConfig, generate
+from kvlab.models import LoadedModel
+from kvlab.spec import SpecConfig, generate_lossless
+
+pytestmark = pytest.mark.integration
+
+QUESTION = "\n\nQuestion: what does the global statement do? Answer:"
+
+
+@pytest.fixture(scope="module")
+def prompts(embedded_model: LoadedModel) -> list[list[int]]:
+    question = list(embedded_model.tokenizer(QUESTION, add_special_tokens=False)["input_ids"])
+    document = document_token_ids(embedded_model.tokenizer, 1500)
+    return [document + question, document[700:] + question]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(embedded_model: LoadedModel, prompts: list[list[int]]) -> list[list[int]]:
+    output = generate(embedded_model, prompts, GenerationConfig(max_new_tokens=40))
+    return [request.token_ids for request in output.requests]
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "draft_length"),
+    [
+        ("snapkv", {"compression_ratio": 0.9}, "auto"),
+        ("kivi", {"bits": 2}, 16),
+        ("streamingllm", {"compression_ratio": 0.9}, 3),
+        ("turboquant", {"bits": 3}, 8),
+    ],
+)
+def test_lossless_output_equals_plain_greedy(
+    embedded_model: LoadedModel,
+    prompts: list[list[int]],
+    plain_outputs: list[list[int]],
+    name: str,
+    params: dict[str, object],
+    draft_length: int | str,
+) -> None:
+    spec = SpecConfig(create_compressor(name, **params), draft_length)  # type: ignore[arg-type]
+    output = generate_lossless(embedded_model, prompts, GenerationConfig(max_new_tokens=40), spec)
+    assert [request.token_ids for request in output.requests] == plain_outputs
+    assert output.spec is not None and output.spec.accepted_tokens > 0
+
+
+def test_lossy_decoding_from_a_small_cache_diverges(
+    embedded_model: LoadedModel, prompts: list[list[int]], plain_outputs: list[list[int]]
+) -> None:
+    # The reason lossless decoding exists: the same compressor used directly changes the answer.
+    output = generate(
+        embedded_model,
+        prompts[:1],
+        GenerationConfig(max_new_tokens=40),
+        compressor=create_compressor("streamingllm", budget=64),
+    )
+    assert output.requests[0].token_ids != plain_outputs[0]
+    assert output.stats.kv_bytes_ratio > 10
+
+
+def test_cli_lossless_json_reports_acceptance(embedded_model: LoadedModel, capsys: pytest.CaptureFixture[str]) -> None:
+    text = "Explain what a Python code block is, in two sentences."
+    argv = ["generate", "--prompt", text, "--max-new-tokens", "24", "--json"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--lossless", "--drafter", "kivi", "--drafter-arg", "bits=4", "--draft-length", "8"]) == 0
+    lossless = json.loads(capsys.readouterr().out)
+    assert lossless["token_ids"] == plain["token_ids"]
+    assert {"acceptance_length", "rounds", "draft_tokens", "accepted_tokens"} <= set(lossless["stats"])
+    assert lossless["stats"]["acceptance_length"] >= 1.0
