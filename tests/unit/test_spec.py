@@ -142,3 +142,36 @@ def test_adaptive_draft_length_grows_with_acceptance_and_shrinks_without() -> No
 def test_bad_draft_lengths_are_refused(draft_length: object) -> None:
     with pytest.raises(ConfigError, match="draft length"):
         SpecConfig(create_compressor("snapkv"), draft_length)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("schedule", ["staggered", "synchronous"])
+def test_disk_tier_and_schedules_give_the_memory_tiers_tokens(schedule: str) -> None:
+    loaded = tiny_llama(num_kv_heads=2)
+    prompts = _prompts(60, 35)
+    config = GenerationConfig(max_new_tokens=30)
+    drafter = create_compressor("snapkv", compression_ratio=0.8)
+    expected = generate_lossless(loaded, prompts, config, SpecConfig(drafter, 4))
+    output = generate_lossless(
+        loaded, prompts, config, SpecConfig(drafter, 4, full_kv_tier="disk", schedule=schedule)  # type: ignore[arg-type]
+    )
+    assert [r.token_ids for r in output.requests] == [r.token_ids for r in expected.requests]
+    assert output.spec is not None and output.spec.kv_load_s > 0
+
+
+def test_disk_tier_layers_are_memory_mapped_files_removed_with_the_cache(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvlab.cache import KVCache, forward
+    from kvlab.cache.tiers import DiskKVLayer, move_to_disk
+
+    loaded = tiny_llama(num_kv_heads=2)
+    cache = KVCache.allocate(loaded.architecture, 1, 32, loaded.dtype, "cpu")
+    ids = torch.randint(3, 96, (1, 20))
+    forward(loaded.model, cache, ids[:, :12])
+    disk = move_to_disk(cache, tmp_path)
+    assert all(isinstance(layer, DiskKVLayer) for layer in disk.layers)
+    assert len(list(tmp_path.rglob("*.bin"))) == 2 * len(disk.layers)
+    assert torch.equal(forward(loaded.model, disk, ids[:, 12:]), forward(loaded.model, cache, ids[:, 12:]))
+    del disk
+    import gc
+
+    gc.collect()
+    assert not list(tmp_path.rglob("*.bin"))

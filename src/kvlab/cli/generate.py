@@ -7,6 +7,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from kvlab.cache.tiers import TIERS
 from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json
 from kvlab.cli.progress import TokenProgress
 from kvlab.compress import Compressor, compressors
@@ -49,6 +50,13 @@ class GenerateCommand(Command):
         lossless.add_argument("--drafter", default="snapkv", help="compressor whose cache drafts (default snapkv)")
         lossless.add_argument("--drafter-arg", action="append", default=[], metavar="KEY=VALUE", help="drafter parameter")
         lossless.add_argument("--draft-length", default="auto", help="tokens drafted per round, or 'auto' (default)")
+        lossless.add_argument("--full-kv-tier", default="memory", choices=TIERS, help="where the full KV lives")
+        lossless.add_argument(
+            "--schedule",
+            default="staggered",
+            choices=("staggered", "synchronous"),
+            help="load the full KV while drafting (staggered) or after it",
+        )
         add_json_flag(parser)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -88,7 +96,7 @@ def _spec_config(args: argparse.Namespace) -> SpecConfig | None:
         except ValueError:
             raise ConfigError(f"--draft-length must be a positive integer or 'auto', got {draft_length!r}") from None
     drafter = compressors.create_from_strings(args.drafter, args.drafter_arg)
-    return SpecConfig(drafter, draft_length)  # type: ignore[arg-type]
+    return SpecConfig(drafter, draft_length, full_kv_tier=args.full_kv_tier, schedule=args.schedule)  # type: ignore[arg-type]
 
 
 def _compressor(args: argparse.Namespace) -> Compressor | None:
@@ -127,6 +135,7 @@ def _report(loaded: LoadedModel, output: GenerationOutput, compressor: Compresso
             accepted_tokens=spec.accepted_tokens,
             draft_s=spec.draft_s,
             verify_s=spec.verify_s,
+            kv_load_s=spec.kv_load_s,
         )
     if as_json:
         print_json(

@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 
 from kvlab.cache import KVCache, PairedPrefillStep, VerifyStep, forward, run_step
+from kvlab.cache.tiers import TIERS, BackgroundLoader, Tier, move_to_disk, prefetch
 from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
 from kvlab.generation.config import GenerationConfig
@@ -45,17 +46,26 @@ class SpecConfig:
         drafter: The compressor whose cache drafts (any registered method).
         draft_length: Tokens drafted per round, or "auto" to adapt to measured acceptance and costs.
         max_draft_length: Upper bound of adaptive draft lengths.
+        full_kv_tier: Where the verifier's full KV lives: "memory", or "disk" (memory-mapped files).
+        schedule: "staggered" loads the full KV in the background while drafting; "synchronous"
+            drafts, then loads, then verifies.
     """
 
     drafter: Compressor
     draft_length: int | Literal["auto"] = "auto"
     max_draft_length: int = 64
+    full_kv_tier: Tier = "memory"
+    schedule: Literal["staggered", "synchronous"] = "staggered"
 
     def __post_init__(self) -> None:
         if self.draft_length != "auto" and (not isinstance(self.draft_length, int) or self.draft_length < 1):
             raise ConfigError(f"draft length must be a positive integer or 'auto', got {self.draft_length!r}")
         if self.max_draft_length < 1:
             raise ConfigError(f"max_draft_length must be at least 1, got {self.max_draft_length}")
+        if self.full_kv_tier not in TIERS:
+            raise ConfigError(f"full KV tier must be one of {', '.join(TIERS)}, got {self.full_kv_tier!r}")
+        if self.schedule not in ("staggered", "synchronous"):
+            raise ConfigError(f"schedule must be 'staggered' or 'synchronous', got {self.schedule!r}")
 
     def controller(self) -> DraftLengthController:
         fixed = None if self.draft_length == "auto" else int(self.draft_length)
@@ -121,6 +131,8 @@ def generate_lossless(
     controller = spec.controller()
     capacity = max(len(p) for p in prompts) + config.max_new_tokens + spec.max_draft_length + 2
     full, draft, logits = prefill_pair(loaded, prompts, capacity, spec.drafter)
+    if spec.full_kv_tier == "disk":
+        full = move_to_disk(full)
     stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
     stats.record_cache(draft)
     spec_stats = SpecStats()
@@ -141,7 +153,9 @@ def generate_lossless(
             rows.keep(keep)
             last_tokens = last_tokens[keep]
         num_draft = min(controller.next_length(), max(rows.remaining(row) for row in range(len(rows.active))) - 1)
-        round_ = _draft_and_verify(loaded, full, draft, last_tokens, max(num_draft, 0), config, generator, controller, spec_stats)
+        round_ = _draft_and_verify(
+            loaded, full, draft, last_tokens, max(num_draft, 0), config, generator, controller, spec, spec_stats
+        )
         emitted = 0
         for row, accepted in enumerate(round_.num_accepted):
             tokens = round_.draft_token_ids[row, :accepted].tolist() + [int(round_.next_token_ids[row])]
@@ -163,12 +177,21 @@ def _draft_and_verify(
     config: GenerationConfig,
     generator: torch.Generator | None,
     controller: DraftLengthController,
+    spec: SpecConfig,
     spec_stats: SpecStats,
 ) -> _Round:
     """Draft `num_draft` tokens per row, verify them in one pass, roll both caches to the accepted length."""
+    on_disk = spec.full_kv_tier == "disk"
+    loader = BackgroundLoader(full) if on_disk and spec.schedule == "staggered" else None
     draft_clock = Stopwatch(loaded.device)
     draft_token_ids, draft_probs = _draft(loaded, draft, last_tokens, num_draft, config, generator)
     draft_s = draft_clock.elapsed()
+    if loader is not None:
+        spec_stats.kv_load_s += loader.wait()
+    elif on_disk:
+        load_clock = Stopwatch(loaded.device)
+        prefetch(full)
+        spec_stats.kv_load_s += load_clock.elapsed()
     verify_clock = Stopwatch(loaded.device)
     verify_ids = torch.cat([last_tokens[:, None], draft_token_ids], dim=1)
     step = VerifyStep(full, full.next_positions(num_draft + 1, loaded.device))
