@@ -175,3 +175,18 @@ def test_disk_tier_layers_are_memory_mapped_files_removed_with_the_cache(tmp_pat
 
     gc.collect()
     assert not list(tmp_path.rglob("*.bin"))
+
+
+def test_compare_modes_marks_lossless_identical_and_finds_the_lossy_divergence() -> None:
+    from kvlab.spec.compare import compare_modes, first_divergence
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 5, 3], [1, 2, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    loaded = tiny_llama(num_kv_heads=2)
+    compressor = create_compressor("streamingllm", budget=6)
+    results = compare_modes(loaded, _prompts(80)[0], GenerationConfig(max_new_tokens=30), compressor, SpecConfig(compressor, 4))
+    by_mode = {result.mode: result for result in results}
+    assert by_mode["full"].identical_to_full and by_mode["lossless"].identical_to_full
+    assert not by_mode["lossy"].identical_to_full
+    assert by_mode["lossy"].first_divergence is not None
