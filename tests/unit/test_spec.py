@@ -190,3 +190,14 @@ def test_compare_modes_marks_lossless_identical_and_finds_the_lossy_divergence()
     assert by_mode["full"].identical_to_full and by_mode["lossless"].identical_to_full
     assert not by_mode["lossy"].identical_to_full
     assert by_mode["lossy"].first_divergence is not None
+
+
+def test_an_int8_weight_drafter_keeps_the_output_identical() -> None:
+    loaded = tiny_llama(num_kv_heads=2)
+    prompts = _prompts(50, 70)
+    config = GenerationConfig(max_new_tokens=30)
+    expected = generate(loaded, prompts, config)
+    spec = SpecConfig(create_compressor("kivi", bits=4, group_size=8, residual_length=8), 6, draft_weights="int8")
+    output = generate_lossless(loaded, prompts, config, spec)
+    assert [r.token_ids for r in output.requests] == [r.token_ids for r in expected.requests]
+    assert output.spec is not None and output.spec.accepted_tokens > 0

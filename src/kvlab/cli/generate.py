@@ -14,6 +14,7 @@ from kvlab.compress import Compressor, compressors
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, GenerationOutput, generate
 from kvlab.models import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
+from kvlab.models.draft_weights import DRAFT_WEIGHTS
 from kvlab.spec import SpecConfig, generate_lossless
 
 
@@ -57,6 +58,10 @@ class GenerateCommand(Command):
             choices=("staggered", "synchronous"),
             help="load the full KV while drafting (staggered) or after it",
         )
+        lossless.add_argument(
+            "--draft-weights", default="same", choices=DRAFT_WEIGHTS,
+            help="draft with the model itself or an int8-weight copy (CPU; verification stays exact)",
+        )
         add_json_flag(parser)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -84,8 +89,8 @@ class GenerateCommand(Command):
 
 def _spec_config(args: argparse.Namespace) -> SpecConfig | None:
     if not args.lossless:
-        if args.drafter_arg or args.draft_length != "auto":
-            raise ConfigError("--drafter-arg and --draft-length need --lossless")
+        if args.drafter_arg or args.draft_length != "auto" or args.draft_weights != "same":
+            raise ConfigError("--drafter-arg, --draft-length and --draft-weights need --lossless")
         return None
     if args.compressor is not None:
         raise ConfigError("--compressor decodes lossily; with --lossless choose the drafter with --drafter")
@@ -96,7 +101,13 @@ def _spec_config(args: argparse.Namespace) -> SpecConfig | None:
         except ValueError:
             raise ConfigError(f"--draft-length must be a positive integer or 'auto', got {draft_length!r}") from None
     drafter = compressors.create_from_strings(args.drafter, args.drafter_arg)
-    return SpecConfig(drafter, draft_length, full_kv_tier=args.full_kv_tier, schedule=args.schedule)  # type: ignore[arg-type]
+    return SpecConfig(
+        drafter,
+        draft_length,  # type: ignore[arg-type]
+        full_kv_tier=args.full_kv_tier,
+        schedule=args.schedule,
+        draft_weights=args.draft_weights,
+    )
 
 
 def _compressor(args: argparse.Namespace) -> Compressor | None:

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Literal
 
 import torch
+from transformers import PreTrainedModel
 
 from kvlab.cache import KVCache, PairedPrefillStep, VerifyStep, forward, run_step
 from kvlab.cache.tiers import TIERS, BackgroundLoader, Tier, move_to_disk, prefetch
@@ -32,6 +33,7 @@ from kvlab.generation.rows import BatchRows
 from kvlab.generation.sampling import select_next_tokens, token_probabilities
 from kvlab.generation.stopping import StopChecker
 from kvlab.models import LoadedModel
+from kvlab.models.draft_weights import DRAFT_WEIGHTS, DraftWeights, draft_model
 from kvlab.spec.acceptance import greedy_accept, rejection_sample
 from kvlab.spec.draft_length import DraftLengthController
 from kvlab.spec.stats import SpecStats
@@ -49,6 +51,8 @@ class SpecConfig:
         full_kv_tier: Where the verifier's full KV lives: "memory", or "disk" (memory-mapped files).
         schedule: "staggered" loads the full KV in the background while drafting; "synchronous"
             drafts, then loads, then verifies.
+        draft_weights: "same" drafts with the model itself (the paper's setting); "int8" drafts with an
+            int8-weight copy, cheaper per step on a CPU (verification always uses the exact model).
     """
 
     drafter: Compressor
@@ -56,6 +60,7 @@ class SpecConfig:
     max_draft_length: int = 64
     full_kv_tier: Tier = "memory"
     schedule: Literal["staggered", "synchronous"] = "staggered"
+    draft_weights: DraftWeights = "same"
 
     def __post_init__(self) -> None:
         if self.draft_length != "auto" and (not isinstance(self.draft_length, int) or self.draft_length < 1):
@@ -64,6 +69,8 @@ class SpecConfig:
             raise ConfigError(f"max_draft_length must be at least 1, got {self.max_draft_length}")
         if self.full_kv_tier not in TIERS:
             raise ConfigError(f"full KV tier must be one of {', '.join(TIERS)}, got {self.full_kv_tier!r}")
+        if self.draft_weights not in DRAFT_WEIGHTS:
+            raise ConfigError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {self.draft_weights!r}")
         if self.schedule not in ("staggered", "synchronous"):
             raise ConfigError(f"schedule must be 'staggered' or 'synchronous', got {self.schedule!r}")
 
@@ -184,7 +191,8 @@ def _draft_and_verify(
     on_disk = spec.full_kv_tier == "disk"
     loader = BackgroundLoader(full) if on_disk and spec.schedule == "staggered" else None
     draft_clock = Stopwatch(loaded.device)
-    draft_token_ids, draft_probs = _draft(loaded, draft, last_tokens, num_draft, config, generator)
+    drafter = draft_model(loaded.model, spec.draft_weights)
+    draft_token_ids, draft_probs = _draft(drafter, draft, last_tokens, num_draft, config, generator)
     draft_s = draft_clock.elapsed()
     if loader is not None:
         spec_stats.kv_load_s += loader.wait()
@@ -217,7 +225,7 @@ def _draft_and_verify(
 
 
 def _draft(
-    loaded: LoadedModel,
+    model: PreTrainedModel,
     draft: KVCache,
     last_tokens: torch.Tensor,
     num_draft: int,
@@ -233,7 +241,7 @@ def _draft(
     current = last_tokens
     with draft.provisional():
         for _ in range(num_draft):
-            logits = forward(loaded.model, draft, current[:, None], logits_to_keep=1)[:, -1]
+            logits = forward(model, draft, current[:, None], logits_to_keep=1)[:, -1]
             if not config.greedy:
                 probs.append(token_probabilities(logits, config.temperature, config.top_p))
             current = select_next_tokens(logits, config, generator) if config.greedy else torch.multinomial(
@@ -246,7 +254,7 @@ def _draft(
         return draft_token_ids, None
     if probs:
         return draft_token_ids, torch.stack(probs, dim=1)
-    return draft_token_ids, torch.empty(batch, 0, loaded.model.config.vocab_size)
+    return draft_token_ids, torch.empty(batch, 0, model.config.vocab_size)
 
 
 def _report(on_progress: ProgressCallback | None, count: int) -> None:
