@@ -23,27 +23,30 @@ from kvlab.generation import GenerationConfig, GenerationOutput, generate
 from kvlab.models import LoadedModel, load_model
 from kvlab.spec import SpecConfig, generate_lossless
 
-# (label, mode, compressor name, compressor params, draft length)
-SETTINGS: list[tuple[str, str, str | None, dict[str, object], int | str]] = [
-    ("plain full KV", "full", None, {}, 0),
-    ("lossy snapkv-0.9", "lossy", "snapkv", {"compression_ratio": 0.9}, 0),
-    ("lossy kivi-2", "lossy", "kivi", {"bits": 2}, 0),
-    ("lossless snapkv-0.9 k=auto", "lossless", "snapkv", {"compression_ratio": 0.9}, "auto"),
-    ("lossless snapkv-0.9 k=8", "lossless", "snapkv", {"compression_ratio": 0.9}, 8),
-    ("lossless snapkv-0.9 k=32", "lossless", "snapkv", {"compression_ratio": 0.9}, 32),
-    ("lossless kivi-4 k=32", "lossless", "kivi", {"bits": 4}, 32),
-    ("lossless kivi-2 k=auto", "lossless", "kivi", {"bits": 2}, "auto"),
-    ("MagicDec-style streamingllm-0.9 k=3", "lossless", "streamingllm", {"compression_ratio": 0.9}, 3),
+# (label, mode, compressor name, compressor params, draft length, draft weights)
+SETTINGS: list[tuple[str, str, str | None, dict[str, object], int | str, str]] = [
+    ("plain full KV", "full", None, {}, 0, "same"),
+    ("lossy snapkv-0.9", "lossy", "snapkv", {"compression_ratio": 0.9}, 0, "same"),
+    ("lossy kivi-2", "lossy", "kivi", {"bits": 2}, 0, "same"),
+    ("lossless snapkv-0.9 k=auto", "lossless", "snapkv", {"compression_ratio": 0.9}, "auto", "same"),
+    ("lossless snapkv-0.9 k=8", "lossless", "snapkv", {"compression_ratio": 0.9}, 8, "same"),
+    ("lossless snapkv-0.9 k=32", "lossless", "snapkv", {"compression_ratio": 0.9}, 32, "same"),
+    ("lossless kivi-4 k=32", "lossless", "kivi", {"bits": 4}, 32, "same"),
+    ("lossless snapkv-0.9 k=auto int8 drafter", "lossless", "snapkv", {"compression_ratio": 0.9}, "auto", "int8"),
+    ("lossless kivi-4 k=auto int8 drafter", "lossless", "kivi", {"bits": 4}, "auto", "int8"),
+    ("MagicDec-style streamingllm-0.9 k=3", "lossless", "streamingllm", {"compression_ratio": 0.9}, 3, "same"),
 ]
 
 
 def run(loaded: LoadedModel, prompts: list[list[int]], setting: tuple, new_tokens: int) -> GenerationOutput:  # type: ignore[type-arg]
-    _, mode, name, params, draft_length = setting
+    _, mode, name, params, draft_length, draft_weights = setting
     config = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
     compressor = create_compressor(name, **params) if name else None
     if mode == "lossless":
         assert compressor is not None
-        return generate_lossless(loaded, prompts, config, SpecConfig(compressor, draft_length))
+        return generate_lossless(
+            loaded, prompts, config, SpecConfig(compressor, draft_length, draft_weights=draft_weights)
+        )
     return generate(loaded, prompts, config, compressor=compressor)
 
 
