@@ -10,19 +10,29 @@ import numpy as np
 def kivi_quantize(groups: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Min-max asymmetric quantization of each row of `groups` [G, n] (one group per row).
 
-    Scale and zero are rounded to fp16 first, as stored. Returns (codes, scale, zero) per row.
+    Zero and scale are stored in fp16, the zero rounded down and the scale up so the stored range still
+    covers the group. Returns (codes, scale, zero) per row.
     """
     levels = 2**bits - 1
     codes = np.zeros(groups.shape, dtype=np.int64)
     scales = np.zeros(groups.shape[0], dtype=np.float16)
     zeros = np.zeros(groups.shape[0], dtype=np.float16)
     for index, group in enumerate(groups.astype(np.float32)):
-        zero = np.float16(group.min())
-        scale = np.float16((np.float32(group.max()) - np.float32(zero)) / levels)
+        zero = _fp16_toward(np.float32(group.min()), down=True)
+        scale = _fp16_toward((np.float32(group.max()) - np.float32(zero)) / np.float32(levels), down=False)
         step = np.float32(scale) if scale > 0 else np.float32(1.0)
         codes[index] = np.clip(np.round((group - np.float32(zero)) / step), 0, levels)
         scales[index], zeros[index] = scale, zero
     return codes, scales, zeros
+
+
+def _fp16_toward(value: np.float32, down: bool) -> np.float16:
+    rounded = np.float16(value)
+    if down and np.float32(rounded) > value:
+        return np.nextafter(rounded, np.float16(-np.inf))
+    if not down and np.float32(rounded) < value:
+        return np.nextafter(rounded, np.float16(np.inf))
+    return rounded
 
 
 def walsh_hadamard(vectors: np.ndarray) -> np.ndarray:

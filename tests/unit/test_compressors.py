@@ -148,28 +148,28 @@ def test_cam_bernoulli_draws_are_seeded() -> None:
 def test_kivi_codes_match_the_reference_and_errors_stay_within_half_a_step(bits: int) -> None:
     _, keys, values = _random_kv(tokens=32, seed=bits)
     compressor = create_compressor("kivi", bits=bits, group_size=8)
+    # Keys: one group per (head, 8-token block, channel); values: per (head, token, 8 channels).
     key_block = compressor.quantize_keys(keys, 0)  # type: ignore[attr-defined]
-    # Keys: one group per (head, 8-token block, channel).
     key_groups = keys.reshape(2, 4, 8, 16).permute(0, 1, 3, 2).reshape(-1, 8).numpy()
-    codes, scales, _ = ref_quantization.kivi_quantize(key_groups, bits)
-    ours = key_block.codes().permute(0, 1, 3, 2).reshape(-1, 8).numpy()
-    assert np.array_equal(ours, codes)
-    assert np.array_equal(key_block.scale.permute(0, 1, 3, 2).reshape(-1).numpy(), scales)
+    codes, scales, zeros = ref_quantization.kivi_quantize(key_groups, bits)
+    ours = key_block.groups()
+    assert np.array_equal(ours.codes.reshape(2, 4, 8, 16).permute(0, 1, 3, 2).reshape(-1, 8).numpy(), codes)
+    assert np.array_equal(ours.scales.reshape(-1).numpy(), scales)
+    assert np.array_equal(ours.zeros.reshape(-1).numpy(), zeros)
     value_block = compressor.quantize_values(values, 0)  # type: ignore[attr-defined]
     value_codes, value_scales, _ = ref_quantization.kivi_quantize(values.reshape(-1, 8).numpy(), bits)
-    assert np.array_equal(value_block.codes().reshape(-1, 8).numpy(), value_codes)
+    assert np.array_equal(value_block.groups().codes.reshape(-1, 8).numpy(), value_codes)
     for block, tensor, step in ((key_block, keys, scales), (value_block, values, value_scales)):
         error = (compressor.dequantize_keys(block) - tensor).abs()  # type: ignore[attr-defined]
-        bound = float(step.astype(np.float32).max()) / 2 + 2e-3 * float(tensor.abs().max())
-        assert float(error.max()) <= bound
+        assert float(error.max()) <= float(step.astype(np.float32).max()) / 2 * (1 + 1e-6)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 7, 8])
 def test_packed_codes_round_trip_exactly(bits: int) -> None:
-    codes = torch.randint(0, 2**bits, (1001,), generator=torch.Generator().manual_seed(bits), dtype=torch.int64)
+    codes = np.random.default_rng(bits).integers(0, 2**bits, 1001).astype(np.uint8)
     packed = pack_codes(codes, bits)
-    assert packed.numel() == math.ceil(1001 * bits / 8)
-    assert torch.equal(unpack_codes(packed, bits, 1001).long(), codes)
+    assert packed.size == math.ceil(1001 * bits / 8)
+    assert np.array_equal(unpack_codes(packed, bits, 1001), codes)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -181,7 +181,7 @@ def test_turboquant_codes_match_the_reference_rotation(bits: int) -> None:
     signs = (torch.randint(0, 2, (16,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1).numpy()
     _, centroids = lloyd_max_codebook(16, bits)
     expected, margin = ref_quantization.turboquant_mse_codes(values.numpy(), signs, centroids)
-    ours = unpack_codes(block.packed, bits, values.numel()).view(values.shape).numpy()
+    ours = unpack_codes(block.packed.numpy(), bits, values.numel()).reshape(values.shape)
     # float32 (kvlab) and float64 (reference) rotations may round a coordinate lying on a decision
     # boundary to either side; everywhere else the codes must be identical.
     differs = ours != expected

@@ -8,50 +8,46 @@ from typing import ClassVar
 import torch
 
 from kvlab.compress.base import FP16_BYTES, compressors
+from kvlab.compress.groupwise import QuantizedGroups, dequantize, quantize
 from kvlab.compress.packing import pack_codes, packed_nbytes, unpack_codes
-from kvlab.compress.quantization import (
-    FULL_PRECISION_BITS,
-    QuantizationCompressor,
-    QuantizedBlock,
-    uniform_dequantize,
-    uniform_quantize,
-)
+from kvlab.compress.quantization import FULL_PRECISION_BITS, QuantizationCompressor, QuantizedBlock
 from kvlab.errors import ConfigError
 
 
 @dataclasses.dataclass(slots=True)
 class UniformBlock(QuantizedBlock):
-    """Min-max quantized tokens: packed codes plus fp16 scale and zero point per group.
+    """Min-max quantized tokens: packed codes plus an fp16 zero point and scale per group.
 
     Attributes:
-        packed: Flat uint8 tensor of `bits`-wide codes.
-        scale: fp16 scales, broadcastable to the grouped shape.
-        zero: fp16 zero points, same shape as `scale`.
-        grouped_shape: Shape of the codes before packing (groups on their own axis).
+        packed: uint8 codes, `bits` wide, packed densely.
+        zeros: fp16 group minima (rounded down), grouped axis shortened to the group count.
+        scales: fp16 group steps (rounded up), same shape as `zeros`.
         shape: [H_kv, n, D] shape of the tokens.
         bits: Code width.
+        axis: The grouped axis (1: tokens, keys per channel; 2: channels, values per token).
+        group_size: Elements per group along `axis`.
     """
 
     packed: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
-    grouped_shape: tuple[int, ...]
+    zeros: torch.Tensor
+    scales: torch.Tensor
     shape: tuple[int, int, int]
     bits: int
+    axis: int
+    group_size: int
 
     @property
     def num_tokens(self) -> int:  # type: ignore[override]
         return self.shape[1]
 
     def nbytes(self) -> int:
-        return packed_nbytes(self.packed_numel, self.bits) + (self.scale.numel() + self.zero.numel()) * FP16_BYTES
+        count = self.shape[0] * self.shape[1] * self.shape[2]
+        return packed_nbytes(count, self.bits) + (self.zeros.numel() + self.scales.numel()) * FP16_BYTES
 
-    @property
-    def packed_numel(self) -> int:
-        return self.shape[0] * self.shape[1] * self.shape[2]
-
-    def codes(self) -> torch.Tensor:
-        return unpack_codes(self.packed, self.bits, self.packed_numel).view(self.grouped_shape)
+    def groups(self) -> QuantizedGroups:
+        count = self.shape[0] * self.shape[1] * self.shape[2]
+        codes = torch.from_numpy(unpack_codes(self.packed.numpy(), self.bits, count)).view(self.shape)
+        return QuantizedGroups(codes, self.zeros, self.scales, self.bits, self.axis, self.group_size)
 
 
 @compressors.register("kivi")
@@ -65,7 +61,8 @@ class KIVICompressor(QuantizationCompressor):
     `group_size` of the residual are quantized together.
 
     Budget: `bits` per code (2, 4 or 8; 16 stores everything in full precision). Stored bytes add an
-    fp16 scale and zero point per group and the residual window in fp16.
+    fp16 scale and zero point per group and the residual window in fp16. Zero points round down and
+    scales up to fp16, so every element stays within half a step of its dequantized value.
 
     Deviations from the paper:
     - The residual holds between `residual_length` and `residual_length + group_size - 1` tokens
@@ -88,25 +85,19 @@ class KIVICompressor(QuantizationCompressor):
         return self.group_size
 
     def quantize_keys(self, keys: torch.Tensor, layer_idx: int) -> UniformBlock:
-        heads, tokens, dim = keys.shape
-        grouped = keys.reshape(heads, tokens // self.group_size, self.group_size, dim)
-        return self._block(grouped, reduce_dim=2, shape=(heads, tokens, dim))
+        return self._block(keys, axis=1)
 
     def dequantize_keys(self, block: QuantizedBlock) -> torch.Tensor:
         assert isinstance(block, UniformBlock)
-        return uniform_dequantize(block.codes(), block.scale, block.zero).reshape(block.shape)
+        return dequantize(block.groups())
 
     def quantize_values(self, values: torch.Tensor, layer_idx: int) -> UniformBlock:
-        heads, tokens, dim = values.shape
-        channel_group = min(self.group_size, dim)
-        if dim % channel_group:
-            raise ConfigError(f"group_size {self.group_size} must divide head_dim {dim} for value groups")
-        grouped = values.reshape(heads, tokens, dim // channel_group, channel_group)
-        return self._block(grouped, reduce_dim=3, shape=(heads, tokens, dim))
+        return self._block(values, axis=2)
 
     def dequantize_values(self, block: QuantizedBlock) -> torch.Tensor:
         return self.dequantize_keys(block)
 
-    def _block(self, grouped: torch.Tensor, reduce_dim: int, shape: tuple[int, int, int]) -> UniformBlock:
-        codes, scale, zero = uniform_quantize(grouped, self.bits, dim=reduce_dim)
-        return UniformBlock(pack_codes(codes, self.bits), scale, zero, tuple(grouped.shape), shape, self.bits)
+    def _block(self, tensor: torch.Tensor, axis: int) -> UniformBlock:
+        groups = quantize(tensor, self.bits, axis=axis, group_size=self.group_size, meta_dtype=torch.float16)
+        packed = torch.from_numpy(pack_codes(groups.codes.numpy(), self.bits))
+        return UniformBlock(packed, groups.zeros, groups.scales, tuple(tensor.shape), self.bits, axis, self.group_size)  # type: ignore[arg-type]

@@ -128,28 +128,3 @@ class QuantizationCompressor(Compressor):
             key_blocks, value_blocks, keys[:, num_quantized:], values[:, num_quantized:], compressor=self
         )
 
-
-def uniform_quantize(
-    tensor: torch.Tensor, bits: int, dim: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric min-max quantization along `dim` (the reduction axis of each group).
-
-    Scale and zero point are rounded to fp16 before coding, so dequantizing with the stored fp16
-    values reproduces exactly what the codes meant; the error per element is at most scale / 2.
-
-    Returns:
-        (codes uint8, scale fp16, zero fp16); scale and zero keep `dim` with size 1.
-    """
-    levels = 2**bits - 1
-    low = tensor.amin(dim=dim, keepdim=True).float()
-    high = tensor.amax(dim=dim, keepdim=True).float()
-    zero = low.to(torch.float16)
-    scale = ((high - zero.float()) / levels).to(torch.float16)
-    safe_scale = torch.where(scale.float() > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
-    codes = torch.round((tensor.float() - zero.float()) / safe_scale).clamp_(0, levels).to(torch.uint8)
-    return codes, scale, zero
-
-
-def uniform_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """float32 codes * scale + zero (broadcasting over the group axis)."""
-    return codes.float() * scale.float() + zero.float()

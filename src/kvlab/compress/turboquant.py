@@ -91,7 +91,7 @@ class TurboQuantCompressor(QuantizationCompressor):
         residual = keys.float() - reconstruction
         sketch = _qjl_matrix(keys.shape[-1], seed)
         signs = (residual @ sketch.T >= 0).to(torch.uint8)
-        block.packed_signs = pack_codes(signs, 1)
+        block.packed_signs = _pack(signs, 1)
         block.residual_norms = residual.norm(dim=-1).to(torch.float16)
         return block
 
@@ -99,7 +99,7 @@ class TurboQuantCompressor(QuantizationCompressor):
         assert isinstance(block, TurboQuantBlock) and block.packed_signs is not None
         assert block.residual_norms is not None
         dim = block.shape[-1]
-        signs = unpack_codes(block.packed_signs, 1, block.numel).view(block.shape).float() * 2 - 1
+        signs = _unpack(block.packed_signs, 1, block.numel).view(block.shape).float() * 2 - 1
         sketch = _qjl_matrix(dim, block.seed)
         correction = math.sqrt(math.pi / 2) / dim * block.residual_norms.float()[..., None] * (signs @ sketch)
         return _dequantize_mse(block) + correction
@@ -124,16 +124,24 @@ def _quantize_mse(vectors: torch.Tensor, bits: int, seed: int) -> tuple[TurboQua
     rotated = unit @ rotation_matrix(dim, seed).T
     boundaries, _ = lloyd_max_codebook(dim, bits)
     codes = torch.bucketize(rotated, torch.from_numpy(boundaries).float())
-    block = TurboQuantBlock(pack_codes(codes, bits), norms, tuple(vectors.shape), bits, seed)  # type: ignore[arg-type]
+    block = TurboQuantBlock(_pack(codes, bits), norms, tuple(vectors.shape), bits, seed)  # type: ignore[arg-type]
     return block, _dequantize_mse(block)
 
 
 def _dequantize_mse(block: TurboQuantBlock) -> torch.Tensor:
     dim = block.shape[-1]
     _, centroids = lloyd_max_codebook(dim, block.code_bits)
-    codes = unpack_codes(block.packed, block.code_bits, block.numel).view(block.shape).long()
+    codes = _unpack(block.packed, block.code_bits, block.numel).view(block.shape).long()
     rotated = torch.from_numpy(centroids).float()[codes]
     return (rotated @ rotation_matrix(dim, block.seed)) * block.norms.float()[..., None]
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    return torch.from_numpy(pack_codes(codes.to(torch.uint8).numpy(), bits))
+
+
+def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    return torch.from_numpy(unpack_codes(packed.numpy(), bits, count))
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,0 +1,160 @@
+"""`kvlab codec`: benchmark codecs on real KV, and encode/decode KV saved as safetensors."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json
+from kvlab.cli.progress import TokenProgress
+from kvlab.codec import CodecError, codecs, decode_frame
+from kvlab.codec.bench import DEFAULT_CASES, CodecBenchStats, bench_codecs, collect_kv
+from kvlab.errors import ConfigError
+from kvlab.models import DEFAULT_MODEL, load_model
+
+FRAMES_FORMAT = "kvlab-codec-frames"
+
+
+class CodecCommand(Command):
+    name = "codec"
+    help = "benchmark KV codecs, or encode/decode KV tensors saved as safetensors"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        verbs = parser.add_subparsers(dest="codec_verb", required=True, metavar="VERB")
+        bench = verbs.add_parser("bench", help="ratio, speed and error of every codec on the model's KV")
+        bench.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file, model dir or cached hub id")
+        bench.add_argument("--context", type=int, default=4096, help="tokens of the bundled document to prefill")
+        bench.add_argument("--codecs", default="", help="comma-separated codec names to run (default: all rows)")
+        add_json_flag(bench)
+        encode = verbs.add_parser("encode", help="encode every tensor of a safetensors file into codec frames")
+        encode.add_argument("input", type=Path, help="safetensors file of float tensors (e.g. keys, values)")
+        encode.add_argument("output", type=Path, help="safetensors file of frames to write")
+        encode.add_argument("--codec", default="byteplane", help="codec name (see `kvlab ls`)")
+        encode.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="codec parameter")
+        add_json_flag(encode)
+        decode = verbs.add_parser("decode", help="decode a file written by `kvlab codec encode`")
+        decode.add_argument("input", type=Path, help="safetensors file of frames")
+        decode.add_argument("output", type=Path, help="safetensors file of tensors to write")
+        add_json_flag(decode)
+
+    def run(self, args: argparse.Namespace) -> int:
+        if args.codec_verb == "bench":
+            return _bench(args)
+        if args.codec_verb == "encode":
+            return _encode(args)
+        return _decode(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.context < 1:
+        raise ConfigError(f"--context must be at least 1, got {args.context}")
+    selected = [name.strip() for name in args.codecs.split(",") if name.strip()]
+    for name in selected:
+        codecs.get(name)
+    cases = [case for case in DEFAULT_CASES if not selected or case.codec in selected]
+    loaded = load_model(args.model)
+    keys, values = collect_kv(loaded, args.context)
+    with TokenProgress(total=len(cases), enabled=not args.json, unit="codec") as progress:
+        results = bench_codecs(keys, values, cases, on_progress=lambda _: progress.update(1))
+    if args.json:
+        print_json({"model": loaded.name, "context": args.context, "kv_shape": list(keys.shape),
+                    "results": [dataclasses.asdict(result) for result in results]})
+        return EXIT_OK
+    print(f"{loaded.name}: keys and values {list(keys.shape)} each, fp16, {2 * 2 * keys.numel() / 1e6:.1f} MB")
+    print(_table(results))
+    return EXIT_OK
+
+
+def _table(results: list[CodecBenchStats]) -> str:
+    header = f"{'codec':<26} {'bits/value':>10} {'vs fp16':>8} {'enc MB/s':>9} {'dec MB/s':>9} {'lossless':<10} " \
+             f"{'verified':<8} {'max abs err':>11}"
+    lines = [header, "-" * len(header)]
+    for r in results:
+        lines.append(
+            f"{r.label:<26} {r.bits_per_value:>10.3f} {r.ratio_vs_fp16:>7.3f}x {r.encode_mb_s:>9.1f} "
+            f"{r.decode_mb_s:>9.1f} {r.lossless:<10} {'yes' if r.verified else 'NO':<8} {r.max_abs_error:>11.3g}"
+        )
+    return "\n".join(lines)
+
+
+def _encode(args: argparse.Namespace) -> int:
+    tensors = _load(args.input)
+    explicit = [assignment.partition("=")[0].strip() for assignment in args.set]
+    has_kind = any(param.name == "kind" for param in codecs.parameters(args.codec))
+    frames: dict[str, torch.Tensor] = {}
+    report: list[dict[str, Any]] = []
+    for name, tensor in tensors.items():
+        assignments = list(args.set)
+        if has_kind and "kind" not in explicit:
+            assignments.append(f"kind={_kind_of(name)}")
+        codec = codecs.create_from_strings(args.codec, assignments)
+        if not tensor.is_floating_point():
+            raise ConfigError(f"tensor {name!r} is {tensor.dtype}; the codecs encode float32, float16, bfloat16")
+        data = codec.encode(tensor)
+        frames[name] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        report.append({"tensor": name, "shape": list(tensor.shape), "dtype": str(tensor.dtype), "codec": codec.name,
+                       "lossless": codec.lossless, "bytes": len(data),
+                       "ratio": tensor.numel() * tensor.element_size() / max(len(data), 1)})
+    save_file(frames, str(args.output), metadata={"format": FRAMES_FORMAT})
+    _report(report, args.json)
+    return EXIT_OK
+
+
+def _decode(args: argparse.Namespace) -> int:
+    frames = _load(args.input, expect_frames=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, frame in frames.items():
+        if frame.dtype != torch.uint8 or frame.dim() != 1:
+            raise ConfigError(f"{args.input}: tensor {name!r} is not a codec frame (uint8 vector)")
+        try:
+            tensors[name] = decode_frame(frame.numpy().tobytes())
+        except CodecError as error:
+            raise ConfigError(f"{args.input}: tensor {name!r}: {error}") from None
+    save_file(tensors, str(args.output))
+    _report([{"tensor": name, "shape": list(t.shape), "dtype": str(t.dtype)} for name, t in tensors.items()], args.json)
+    return EXIT_OK
+
+
+def _load(path: Path, expect_frames: bool = False) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise ConfigError(f"input file not found: {path}")
+    try:
+        tensors = load_file(str(path))
+        if expect_frames:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as handle:
+                metadata = handle.metadata() or {}
+            if metadata.get("format") != FRAMES_FORMAT:
+                raise ConfigError(f"{path} was not written by `kvlab codec encode`")
+    except (SafetensorError, OSError, ValueError) as error:
+        if isinstance(error, ConfigError):
+            raise
+        raise ConfigError(f"{path} is not a readable safetensors file ({error})") from None
+    if not tensors:
+        raise ConfigError(f"{path} holds no tensors")
+    return tensors
+
+
+def _kind_of(name: str) -> str:
+    lowered = name.lower()
+    is_key, is_value = "key" in lowered, "value" in lowered
+    if is_key == is_value:
+        raise ConfigError(f"cannot tell whether tensor {name!r} holds keys or values; pass --set kind=keys|values")
+    return "keys" if is_key else "values"
+
+
+def _report(rows: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        print_json(rows)
+        return
+    for row in rows:
+        extra = f" -> {row['bytes']} bytes ({row['ratio']:.3f}x, {row['lossless']})" if "bytes" in row else ""
+        print(f"{row['tensor']}: {row['shape']} {row['dtype']}{extra}", file=sys.stdout)

@@ -1,0 +1,179 @@
+"""The codec family base: chunking, framing and validation shared by every codec.
+
+A codec is a registered dataclass whose fields are its parameters. Subclasses only turn one chunk
+`[lead, t, D]` into bytes and back (`encode_chunk` / `decode_chunk`); the base splits tensors into
+token chunks, writes and checks the frame (see `framing`), and turns any failure on untrusted bytes
+into `CodecError`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal
+
+import torch
+import zstandard
+
+from kvlab.codec import framing, layouts
+from kvlab.codec.errors import CodecError
+from kvlab.errors import ConfigError
+from kvlab.registry import Registry, to_dict
+
+Lossless = Literal["bit-exact", "codes", "lossy"]
+Kind = Literal["keys", "values"]
+ChunkShape = tuple[int, int, int]
+
+codecs: Registry[Codec] = Registry("codec")
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass
+class Codec(abc.ABC):
+    """Family base of KV codecs; `lossless` names what a round trip preserves.
+
+    "bit-exact": the decoded tensor has the input's bits. "codes": the quantized codes come back
+    identical and the tensor differs from the input by the quantization error only. "lossy": neither.
+    """
+
+    chunk_tokens: int = dataclasses.field(
+        default=256, metadata={"help": "tokens per chunk; each chunk decodes on its own"}
+    )
+
+    lossless: ClassVar[Lossless]
+    registry_name: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be at least 1, got {self.chunk_tokens}")
+
+    @property
+    def name(self) -> str:
+        return type(self).registry_name
+
+    def layout(self) -> str:
+        """How chunk bytes are arranged (recorded in, and checked against, every frame)."""
+        return "token-major"
+
+    def params(self) -> dict[str, Any]:
+        """The codec's parameters as written into frames (everything `to_dict` gives but the name)."""
+        return {key: value for key, value in to_dict(self).items() if key != "name"}
+
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        """One frame holding `tensor` (any shape; see `layouts.token_geometry`) on the CPU."""
+        if tensor.dtype not in FLOAT_DTYPES:
+            allowed = ", ".join(str(dtype) for dtype in FLOAT_DTYPES)
+            raise ConfigError(f"codec {self.name!r} encodes {allowed}, not {tensor.dtype}")
+        tokens = layouts.as_tokens(tensor.detach().cpu())
+        bounds = framing.chunk_bounds(tokens.shape[1], self.chunk_tokens)
+        payloads = self.encode_chunks([tokens[:, start:end] for start, end in bounds])
+        return framing.write_frame(
+            self.name, self.layout(), self.params(), tensor.dtype, tuple(tensor.shape), self.chunk_tokens, payloads
+        )
+
+    def decode(self, data: bytes | bytearray | memoryview) -> torch.Tensor:
+        """The tensor a frame holds; raises `CodecError` for any frame this codec did not write intact."""
+        header, payloads = framing.read_frame(data)
+        self.check_header(header)
+        decoded = torch.empty(header.shape, dtype=header.dtype)
+        tokens = layouts.as_tokens(decoded)
+        bounds = framing.chunk_bounds(tokens.shape[1], header.chunk_tokens)
+        self.decode_into(payloads, [tokens[:, start:end] for start, end in bounds])
+        return decoded
+
+    def decode_into(self, payloads: Sequence[bytes | memoryview], targets: Sequence[torch.Tensor]) -> None:
+        """Decode each payload into its target `[lead, t, D]` (a view into the output, of the frame's dtype).
+
+        Raises:
+            CodecError: A payload does not decode to exactly its target's shape and dtype.
+        """
+        try:
+            self.decode_chunks_into(payloads, targets)
+        except CodecError:
+            raise
+        except Exception as error:
+            # Untrusted bytes reach third-party decoders (zstd, libav) whose errors vary by version.
+            raise CodecError(f"{self.name} payload does not decode: {type(error).__name__}: {error}") from error
+
+    def reconstruct(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What `decode(encode(tensor))` must equal bit for bit (the input itself, for bit-exact codecs)."""
+        return tensor
+
+    def check_header(self, header: framing.FrameHeader) -> None:
+        """Reject frames written by another codec, with other parameters or another layout."""
+        if header.codec != self.name:
+            raise CodecError(f"frame holds codec {header.codec!r}, not {self.name!r}")
+        if header.params != self.params():
+            raise CodecError(f"frame was written with parameters {header.params}, this codec has {self.params()}")
+        if header.layout != self.layout():
+            raise CodecError(f"frame has layout {header.layout!r}, codec {self.name!r} writes {self.layout()!r}")
+
+    def encode_chunks(self, chunks: Sequence[torch.Tensor]) -> list[bytes]:
+        """Payloads of several chunks; codecs that vectorize across chunks override this."""
+        return [self.encode_chunk(chunk) for chunk in chunks]
+
+    def decode_chunks_into(self, payloads: Sequence[bytes | memoryview], targets: Sequence[torch.Tensor]) -> None:
+        """Decode several chunks into their targets; codecs that vectorize across chunks override this."""
+        for payload, target in zip(payloads, targets, strict=True):
+            self.decode_chunk_into(payload, target)
+
+    def decode_chunk_into(self, payload: bytes | memoryview, target: torch.Tensor) -> None:
+        """Decode one chunk into `target`; codecs that can write in place override this."""
+        copy_checked(self.decode_chunk(payload, target_shape(target), target.dtype), target)
+
+    @abc.abstractmethod
+    def encode_chunk(self, chunk: torch.Tensor) -> bytes:
+        """Payload of one chunk `[lead, t, D]` of a float dtype."""
+
+    @abc.abstractmethod
+    def decode_chunk(self, payload: bytes | memoryview, shape: ChunkShape, dtype: torch.dtype) -> torch.Tensor:
+        """The chunk `[lead, t, D]` of `dtype` that `payload` holds."""
+
+
+def target_shape(target: torch.Tensor) -> ChunkShape:
+    return target.shape[0], target.shape[1], target.shape[2]
+
+
+def copy_checked(chunk: torch.Tensor, target: torch.Tensor) -> None:
+    """Copy a decoded chunk into its target, refusing any other shape or dtype."""
+    if chunk.shape != target.shape or chunk.dtype != target.dtype:
+        raise CodecError(f"chunk decoded to {tuple(chunk.shape)} {chunk.dtype}, expected {tuple(target.shape)} "
+                         f"{target.dtype}")
+    target.copy_(chunk)
+
+
+def chunk_shapes(header: framing.FrameHeader) -> list[ChunkShape]:
+    """`[lead, t, D]` of every chunk of a frame."""
+    lead, num_tokens, channels = layouts.token_geometry(header.shape)
+    return [(lead, end - start, channels) for start, end in framing.chunk_bounds(num_tokens, header.chunk_tokens)]
+
+
+def check_kind(kind: str) -> None:
+    if kind not in ("keys", "values"):
+        raise ValueError(f"kind must be one of ['keys', 'values'], got {kind!r}")
+
+
+def zstd_compress(data: bytes | memoryview, level: int) -> bytes:
+    return zstandard.ZstdCompressor(level=level).compress(data)
+
+
+def zstd_decompress(data: bytes | memoryview, expected_size: int) -> bytes:
+    """Decompress exactly `expected_size` bytes; anything else is a `CodecError`."""
+    if expected_size == 0 and len(data) == 0:
+        return b""
+    output = zstandard.ZstdDecompressor().decompress(data, max_output_size=max(expected_size, 1))
+    if len(output) != expected_size:
+        raise CodecError(f"zstd block holds {len(output)} bytes, expected {expected_size}")
+    return output
+
+
+def check_level(level: int) -> None:
+    if not 1 <= level <= 22:
+        raise ValueError(f"level must be a zstd level in 1..22, got {level}")
+
+
+def num_elements(shape: ChunkShape) -> int:
+    return math.prod(shape)

@@ -1,0 +1,138 @@
+"""Family base of code-lossless codecs: quantize, then code the codes losslessly.
+
+The base quantizes each chunk (keys per channel, values per token; see `quantization`), stores the
+zero points and scales as zstd-compressed byte planes, and leaves the coding of the codes to the
+subclass (`encode_code_chunks` / `decode_code_chunks`). Decoding returns the dequantized tensor:
+it equals `reconstruct(input)` bit for bit, and the codes behind it equal the encoder's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Literal
+
+import numpy as np
+import torch
+
+from kvlab.codec import layouts
+from kvlab.codec.base import (
+    ChunkShape,
+    Codec,
+    Kind,
+    check_kind,
+    copy_checked,
+    target_shape,
+    zstd_compress,
+    zstd_decompress,
+)
+from kvlab.codec.errors import CodecError
+from kvlab.codec.framing import chunk_bounds, pack_sections, unpack_sections
+from kvlab.compress.groupwise import BITS, QuantizedGroups, dequantize, kv_axis, num_groups, quantize
+from kvlab.errors import ConfigError
+
+META_LEVEL = 3
+
+
+@dataclasses.dataclass
+class QuantizedCodec(Codec):
+    """Quantize (KIVI grouping) then entropy-code the codes; `lossless = "codes"`."""
+
+    kind: Kind = dataclasses.field(
+        default="keys", metadata={"help": "keys (quantized per channel) or values (quantized per token)"}
+    )
+    bits: Literal[2, 4, 8] = dataclasses.field(default=8, metadata={"help": "bits per code: 2, 4 or 8"})
+    group_size: int = dataclasses.field(
+        default=128, metadata={"help": "elements per group: tokens for keys, channels of one head for values"}
+    )
+
+    lossless = "codes"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_kind(self.kind)
+        if self.bits not in BITS:
+            raise ValueError(f"bits must be one of {list(BITS)}, got {self.bits}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be at least 1, got {self.group_size}")
+
+    def quantize_chunk(self, chunk: torch.Tensor) -> QuantizedGroups:
+        """Codes of one chunk `[lead, t, D]`; zeros and scales in the chunk's dtype."""
+        try:
+            return quantize(chunk, self.bits, kv_axis(self.kind), self.group_size, meta_dtype=chunk.dtype)
+        except ValueError as error:
+            raise ConfigError(f"codec {self.name!r}: {error}") from error
+
+    def reconstruct(self, tensor: torch.Tensor) -> torch.Tensor:
+        tokens = layouts.as_tokens(tensor.detach().cpu())
+        rebuilt = torch.empty_like(tokens)
+        for start, end in chunk_bounds(tokens.shape[1], self.chunk_tokens):
+            rebuilt[:, start:end] = dequantize(self.quantize_chunk(tokens[:, start:end]), tensor.dtype)
+        return rebuilt.reshape(tensor.shape)
+
+    def encode_chunk(self, chunk: torch.Tensor) -> bytes:
+        return self.encode_chunks([chunk])[0]
+
+    def decode_chunk(self, payload: bytes | memoryview, shape: ChunkShape, dtype: torch.dtype) -> torch.Tensor:
+        return next(iter(self.decode_chunks([payload], [shape], dtype)))
+
+    def decode_chunks_into(self, payloads: Sequence[bytes | memoryview], targets: Sequence[torch.Tensor]) -> None:
+        shapes = [target_shape(target) for target in targets]
+        dtype = targets[0].dtype if targets else torch.float32
+        for chunk, target in zip(self.decode_chunks(payloads, shapes, dtype), targets, strict=True):
+            copy_checked(chunk, target)
+
+    def encode_chunks(self, chunks: Sequence[torch.Tensor]) -> list[bytes]:
+        quantized = [self.quantize_chunk(chunk) for chunk in chunks]
+        code_blobs = self.encode_code_chunks([q.codes.numpy() for q in quantized])
+        return [pack_sections([_encode_meta(q), blob]) for q, blob in zip(quantized, code_blobs)]
+
+    def decode_chunks(
+        self, payloads: Sequence[bytes | memoryview], shapes: Sequence[ChunkShape], dtype: torch.dtype
+    ) -> Iterator[torch.Tensor]:
+        sections = [unpack_sections(payload, 2) for payload in payloads]
+        all_codes = self.decode_code_chunks([meta_and_codes[1] for meta_and_codes in sections], shapes)
+        for (meta, _), shape, codes in zip(sections, shapes, all_codes):
+            if codes.shape != shape or (codes.size and int(codes.max()) >= 1 << self.bits):
+                raise CodecError(f"codes of shape {codes.shape} do not fit chunk {shape} at {self.bits} bits")
+            zeros, scales = self._decode_meta(meta, shape, dtype)
+            quantized = QuantizedGroups(torch.from_numpy(codes), zeros, scales, self.bits,
+                                        kv_axis(self.kind) % 3, self.group_size)
+            yield dequantize(quantized, dtype)
+
+    def encode_code_chunks(self, codes: Sequence[np.ndarray]) -> list[bytes]:
+        """Lossless payloads of the uint8 codes `[lead, t, D]` of several chunks."""
+        return [self.encode_codes(chunk_codes) for chunk_codes in codes]
+
+    def decode_code_chunks(self, blobs: Sequence[bytes | memoryview], shapes: Sequence[ChunkShape]) -> list[np.ndarray]:
+        """Inverse of `encode_code_chunks`."""
+        return [self.decode_codes(blob, shape) for blob, shape in zip(blobs, shapes)]
+
+    def encode_codes(self, codes: np.ndarray) -> bytes:
+        """Lossless payload of one chunk's uint8 codes `[lead, t, D]`."""
+        raise NotImplementedError
+
+    def decode_codes(self, blob: bytes | memoryview, shape: ChunkShape) -> np.ndarray:
+        """Inverse of `encode_codes`: uint8 codes of `shape`."""
+        raise NotImplementedError
+
+    def _decode_meta(self, blob: bytes | memoryview, shape: ChunkShape, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        axis = kv_axis(self.kind) % 3
+        meta_shape = list(shape)
+        meta_shape[axis] = num_groups(shape[axis], self.group_size)
+        count = int(np.prod(meta_shape))
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        planes = np.frombuffer(zstd_decompress(blob, 2 * count * itemsize), np.uint8).reshape(itemsize, 2 * count)
+        values = layouts.from_integer_view(layouts.join_byte_planes(planes), dtype)
+        # numpy, not torch: on small tensors torch's thread pool wake-up cost more than the check.
+        checked = values.float().numpy()
+        if not (np.isfinite(checked).all() and (checked[count:] >= 0).all()):
+            raise CodecError("quantization parameters are not finite non-negative scales")
+        return values[:count].reshape(meta_shape), values[count:].reshape(meta_shape)
+
+
+def _encode_meta(quantized: QuantizedGroups) -> bytes:
+    """Zero points then scales, as byte planes of their bits, zstd-compressed."""
+    both = torch.cat([quantized.zeros.reshape(-1), quantized.scales.reshape(-1)])
+    return zstd_compress(layouts.split_byte_planes(layouts.integer_view(both)).tobytes(), META_LEVEL)
