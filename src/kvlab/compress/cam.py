@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 import torch
 
 from kvlab.compress.base import CompressionContext, compressors
-from kvlab.compress.eviction import ALWAYS_KEEP, require_queries, window_attention_sum
+from kvlab.compress.eviction import require_queries, sinks_and_recent_scores, window_attention_sum
 from kvlab.compress.merging import MergingCompressor
 from kvlab.errors import ConfigError
 
@@ -55,10 +55,7 @@ class CaMCompressor(MergingCompressor):
             raise ConfigError(f"num_sinks must be >= 0, got {self.num_sinks}")
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
-        num_heads, num_tokens = keys.shape[0], keys.shape[1]
-        scores = torch.arange(num_tokens, dtype=torch.float32, device=keys.device).expand(num_heads, -1).clone()
-        scores[:, : self.num_sinks] = ALWAYS_KEEP
-        return scores
+        return sinks_and_recent_scores(keys, self.num_sinks)
 
     def merge_values(
         self, values: torch.Tensor, kept_mask: torch.Tensor, context: CompressionContext, keys: torch.Tensor

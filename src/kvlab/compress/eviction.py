@@ -142,6 +142,14 @@ def window_attention_sum(queries: torch.Tensor, keys: torch.Tensor, scaling: flo
     return total
 
 
+def sinks_and_recent_scores(keys: torch.Tensor, num_sinks: int) -> torch.Tensor:
+    """[H_kv, T] scores keeping the first `num_sinks` tokens, then the most recent ones (StreamingLLM)."""
+    num_heads, num_tokens = keys.shape[0], keys.shape[1]
+    scores = torch.arange(num_tokens, dtype=torch.float32, device=keys.device).expand(num_heads, -1).clone()
+    scores[:, :num_sinks] = ALWAYS_KEEP
+    return scores
+
+
 def require_queries(context: CompressionContext, method: str) -> torch.Tensor:
     if context.queries is None:
         raise ValueError(f"{method} observes queries but the cache passed none")

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from kvlab.compress.base import CompressionContext, compressors
-from kvlab.compress.eviction import ALWAYS_KEEP, EvictionCompressor
+from kvlab.compress.eviction import EvictionCompressor, sinks_and_recent_scores
 from kvlab.errors import ConfigError
 
 
@@ -34,7 +34,4 @@ class StreamingLLMCompressor(EvictionCompressor):
             raise ConfigError(f"num_sinks must be >= 0, got {self.num_sinks}")
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
-        num_heads, num_tokens = keys.shape[0], keys.shape[1]
-        scores = torch.arange(num_tokens, dtype=torch.float32, device=keys.device).expand(num_heads, -1).clone()
-        scores[:, : self.num_sinks] = ALWAYS_KEEP
-        return scores
+        return sinks_and_recent_scores(keys, self.num_sinks)
