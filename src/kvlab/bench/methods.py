@@ -1,0 +1,170 @@
+"""Benchmark methods (the rows of the matrix) and the one function that runs a method on prompts.
+
+A method is full KV, a lossy compressor decoding from its compressed cache, or a lossless method
+(speculative decoding that drafts from a compressed cache and verifies with the full one). Each
+kind maps to an engine function in `ENGINES`: adding a kind of row is one function and one entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal
+
+from kvlab.compress import Compressor, compressors
+from kvlab.errors import ConfigError
+from kvlab.generation import GenerationConfig, GenerationOutput, generate
+from kvlab.generation.engine import ProgressCallback
+from kvlab.models import LoadedModel
+from kvlab.spec import SpecConfig, generate_lossless
+
+MethodKind = Literal["full", "lossy", "lossless"]
+METHOD_KINDS: tuple[str, ...] = ("full", "lossy", "lossless")
+FULL_LABEL = "full"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MethodSpec:
+    """One row of the benchmark matrix.
+
+    Attributes:
+        label: Name in tables, plots and result folders ("kivi-2", "snapkv-50", ...).
+        kind: "full" (plain decoding), "lossy" (decode from the compressed cache) or "lossless"
+            (draft from the compressed cache, verify with the full cache).
+        compressor: `{"name": key, **params}` of the compressor (lossy: the cache decoded from;
+            lossless: the drafter's cache); None for full KV.
+        num_draft_tokens: Tokens drafted per verification (lossless only; None adapts the length to
+            the measured acceptance).
+    """
+
+    label: str
+    kind: MethodKind
+    compressor: dict[str, Any] | None = None
+    num_draft_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.label or "/" in self.label or self.label.startswith("."):
+            raise ConfigError(f"method label {self.label!r} must be a non-empty name without '/'")
+        if self.kind not in METHOD_KINDS:
+            raise ConfigError(f"unknown method kind {self.kind!r}; choose one of: {', '.join(METHOD_KINDS)}")
+        if (self.kind == "full") != (self.compressor is None):
+            raise ConfigError(f"method {self.label!r}: full KV takes no compressor, {self.kind} methods need one")
+        if self.compressor is not None:
+            # Validated now, not mid-run; stored with every parameter so results record defaults too.
+            object.__setattr__(self, "compressor", compressors.from_dict(self.compressor).to_dict())
+        if self.num_draft_tokens is not None:
+            if self.kind != "lossless":
+                raise ConfigError(f"method {self.label!r}: num_draft_tokens applies to lossless methods only")
+            if self.num_draft_tokens < 1:
+                raise ConfigError(f"method {self.label!r}: num_draft_tokens must be at least 1 (or None: adaptive)")
+
+    def build_compressor(self) -> Compressor | None:
+        return None if self.compressor is None else compressors.from_dict(self.compressor)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any]) -> MethodSpec:
+        unknown = sorted(set(spec) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ConfigError(f"method spec has unknown key {unknown[0]!r}")
+        return cls(**spec)
+
+
+def full_kv() -> MethodSpec:
+    return MethodSpec(FULL_LABEL, "full")
+
+
+def lossy(label: str, name: str, **params: Any) -> MethodSpec:
+    return MethodSpec(label, "lossy", {"name": name, **params})
+
+
+# Rows with a short name, usable as `--methods kivi-2 snapkv-50`; the benchmark paper's settings.
+CATALOG: dict[str, MethodSpec] = {
+    spec.label: spec
+    for spec in (
+        full_kv(),
+        lossy("kivi-2", "kivi", bits=2),
+        lossy("kivi-4", "kivi", bits=4),
+        lossy("turboquant-3", "turboquant", bits=3),
+        lossy("turboquant-4", "turboquant", bits=4),
+        lossy("snapkv-50", "snapkv", compression_ratio=0.5),
+        lossy("snapkv-75", "snapkv", compression_ratio=0.75),
+        lossy("cam-50", "cam", compression_ratio=0.5),
+        lossy("cam-75", "cam", compression_ratio=0.75),
+        lossy("streamingllm-75", "streamingllm", compression_ratio=0.75),
+        lossy("h2o-75", "h2o", compression_ratio=0.75),
+        MethodSpec("lossless-kivi-2", "lossless", {"name": "kivi", "bits": 2}),
+        MethodSpec("lossless-snapkv-75", "lossless", {"name": "snapkv", "compression_ratio": 0.75}),
+    )
+}
+
+
+def parse_method(text: str) -> MethodSpec:
+    """A catalog label ("kivi-2"), or `COMPRESSOR:key=value,...` for any compressor setting.
+
+    `lossless:COMPRESSOR:key=value,...[,num_draft_tokens=N]` names a lossless method (adaptive draft
+    length unless N is given).
+    """
+    if text in CATALOG:
+        return CATALOG[text]
+    kind: MethodKind = "lossy"
+    body = text
+    if text.startswith("lossless:"):
+        kind, body = "lossless", text.removeprefix("lossless:")
+    name, _, assignments = body.partition(":")
+    if name not in compressors:
+        allowed = ", ".join([*CATALOG, "COMPRESSOR:key=value,..."])
+        raise ConfigError(f"unknown method {text!r}; choose one of: {allowed} (compressors: {', '.join(compressors)})")
+    pairs = [item for item in assignments.split(",") if item]
+    draft = [item for item in pairs if item.startswith("num_draft_tokens=")]
+    compressor = compressors.create_from_strings(name, [item for item in pairs if item not in draft])
+    try:
+        num_draft_tokens = int(draft[0].partition("=")[2]) if draft else None
+    except ValueError:
+        raise ConfigError(f"num_draft_tokens must be an integer in {text!r}") from None
+    label = text.replace(":", "-").replace(",", "-").replace("=", "")
+    return MethodSpec(label, kind, compressor.to_dict(), num_draft_tokens)
+
+
+Engine = Callable[[LoadedModel, MethodSpec, list[list[int]], GenerationConfig, ProgressCallback | None], GenerationOutput]
+
+
+def _run_plain(
+    loaded: LoadedModel,
+    method: MethodSpec,
+    prompts: list[list[int]],
+    config: GenerationConfig,
+    on_progress: ProgressCallback | None,
+) -> GenerationOutput:
+    return generate(loaded, prompts, config, on_progress=on_progress, compressor=method.build_compressor())
+
+
+def _run_lossless(
+    loaded: LoadedModel,
+    method: MethodSpec,
+    prompts: list[list[int]],
+    config: GenerationConfig,
+    on_progress: ProgressCallback | None,
+) -> GenerationOutput:
+    """Lossless speculative decoding (VeriCache): draft from the compressed cache, verify with the full one."""
+    drafter = method.build_compressor()
+    assert drafter is not None  # MethodSpec guarantees a compressor for lossless methods
+    spec = SpecConfig(drafter=drafter, draft_length=method.num_draft_tokens or "auto")
+    return generate_lossless(loaded, prompts, config, spec, on_progress=on_progress)
+
+
+# One engine per method kind: the extension point for new kinds of rows.
+ENGINES: dict[str, Engine] = {"full": _run_plain, "lossy": _run_plain, "lossless": _run_lossless}
+
+
+def run_method(
+    loaded: LoadedModel,
+    method: MethodSpec,
+    prompts: list[list[int]],
+    config: GenerationConfig,
+    on_progress: ProgressCallback | None = None,
+) -> GenerationOutput:
+    """Generate from `prompts` with `method`; texts, token ids and stats as plain generation returns them."""
+    return ENGINES[method.kind](loaded, method, prompts, config, on_progress)

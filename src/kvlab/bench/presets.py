@@ -1,0 +1,86 @@
+"""Named benchmark matrices: `smoke` (CI-sized) and `paper` (the benchmark paper's matrix)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kvlab.bench.config import BenchConfig
+from kvlab.bench.methods import MethodSpec, parse_method
+from kvlab.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Preset:
+    """Tasks, methods and a default sample count; `BenchConfig` fields not named keep their defaults."""
+
+    description: str
+    tasks: tuple[dict[str, Any], ...]
+    methods: tuple[str, ...]
+    samples: int
+
+
+SMOKE = Preset(
+    description="every shipped task at ~200-token contexts, 1 sample, full KV vs KIVI-2 (a few minutes on 2 cores)",
+    tasks=(
+        {"name": "hotpotqa", "context_tokens": 192, "max_new_tokens": 8},
+        {"name": "squad", "context_tokens": 192, "max_new_tokens": 8},
+        {"name": "niah", "context_tokens": 192, "max_new_tokens": 12},
+        {"name": "variable_tracking", "context_tokens": 192, "max_new_tokens": 12},
+        {"name": "xsum", "context_tokens": 192, "max_new_tokens": 12},
+        {"name": "multilexsum", "context_tokens": 192, "max_new_tokens": 12},
+        {"name": "imdb_fewshot", "context_tokens": 256, "example_tokens": 48, "max_new_tokens": 2},
+        {"name": "humaneval", "max_new_tokens": 24},
+        {"name": "bfcl", "max_new_tokens": 16},
+        {"name": "math500", "max_new_tokens": 12},
+    ),
+    methods=("full", "kivi-2"),
+    samples=1,
+)
+
+# The benchmark paper's methods and workloads (design 2 in PAPERS.md), on 2K-token contexts.
+PAPER_METHODS = (
+    "full",
+    "kivi-2",
+    "kivi-4",
+    "turboquant-3",
+    "turboquant-4",
+    "snapkv-50",
+    "snapkv-75",
+    "cam-50",
+    "cam-75",
+)
+# VeriCache's row: the KIVI-2 cache drafts, the full cache verifies (output equal to full KV).
+PAPER_LOSSLESS_METHODS = ("lossless-kivi-2",)
+
+PAPER = Preset(
+    description="the benchmark paper's matrix on 2K-token contexts: full KV, KIVI-2/4, TurboQuant-3/4, "
+    "SnapKV and CaM at 50% and 75% eviction, lossless KIVI-2 drafting, on multi-doc QA, single-doc QA, few-shot, summarization",
+    tasks=(
+        {"name": "hotpotqa", "context_tokens": 2048, "max_new_tokens": 24},
+        {"name": "squad", "context_tokens": 2048, "max_new_tokens": 24},
+        {"name": "imdb_fewshot", "context_tokens": 2048, "max_new_tokens": 3},
+        {"name": "multilexsum", "context_tokens": 2048, "max_new_tokens": 64},
+        {"name": "xsum", "context_tokens": 2048, "max_new_tokens": 48},
+    ),
+    methods=PAPER_METHODS + PAPER_LOSSLESS_METHODS,
+    samples=5,
+)
+
+PRESETS: dict[str, Preset] = {"smoke": SMOKE, "paper": PAPER}
+
+
+def preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
+
+
+def preset_config(name: str, methods: tuple[MethodSpec, ...] | None = None, **fields: Any) -> BenchConfig:
+    """The preset's `BenchConfig`, with any field (samples, out, methods, ...) overridden."""
+    chosen = preset(name)
+    default_methods = tuple(parse_method(label) for label in chosen.methods)
+    fields.setdefault("tasks", chosen.tasks)
+    fields.setdefault("samples", chosen.samples)
+    return BenchConfig(methods=methods or default_methods, **fields)

@@ -1,0 +1,272 @@
+"""Run a benchmark matrix: every model x task x method cell, resumable, one sample at a time.
+
+Each finished sample is appended to the cell's predictions file at once, so an interrupted run loses
+at most the sample in flight; a cell whose `metrics.json` exists is skipped. Full KV runs first in
+every task, so fidelity can compare each method's outputs with the full-KV outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvlab.bench import results
+from kvlab.bench.config import BenchConfig
+from kvlab.bench.methods import FULL_LABEL, MethodSpec, run_method
+from kvlab.bench.summary import median_stats, summarize_cell
+from kvlab.bench.system import environment_record, git_revision, track_peak_memory
+from kvlab.bench.tasks import Sample, Task, TaskData, tasks
+from kvlab.errors import ConfigError
+from kvlab.generation import GenerationConfig
+from kvlab.models import LoadedModel, load_model
+
+logger = logging.getLogger(__name__)
+
+WARMUP_PROMPT_TOKENS = 64
+WARMUP_NEW_TOKENS = 2
+
+
+class BenchCallbacks:
+    """Hooks the CLI uses for its progress bar; the defaults do nothing."""
+
+    def on_start(self, model: str, total_samples: int) -> None:
+        """Before a model's cells: how many samples remain to be generated for it."""
+
+    def on_cell(self, model: str, task: str, method: str) -> None:
+        """A cell starts (or resumes)."""
+
+    def on_sample(self) -> None:
+        """One sample finished."""
+
+
+@dataclasses.dataclass(slots=True)
+class PreparedTask:
+    """A task with its samples and their prompt token ids for one model."""
+
+    task: Task
+    data: TaskData
+    prompts: list[list[int]]
+
+    @property
+    def name(self) -> str:
+        return self.task.registry_name
+
+
+def run_benchmark(
+    config: BenchConfig,
+    callbacks: BenchCallbacks | None = None,
+    loaded_models: Mapping[str, LoadedModel] | None = None,
+) -> list[dict[str, Any]]:
+    """Run (or resume) the matrix and return every cell's metrics.
+
+    Args:
+        config: The matrix and how to run it.
+        callbacks: Progress hooks.
+        loaded_models: Models already in memory, by the name used in `config.models` (tests pass
+            tiny models here); others are loaded with `load_model`.
+
+    Raises:
+        ConfigError: Unwritable output folder, missing data package, prompts too long for the model,
+            or a folder holding results of other settings.
+    """
+    out = results.prepare_output_dir(config.out)
+    with torch_threads(config.threads):
+        return _run_models(config, out, callbacks or BenchCallbacks(), loaded_models or {})
+
+
+def _run_models(
+    config: BenchConfig, out: Path, callbacks: BenchCallbacks, loaded_models: Mapping[str, LoadedModel]
+) -> list[dict[str, Any]]:
+    task_objects = [tasks.from_dict(spec) for spec in config.tasks]
+    for task in task_objects:
+        task.check_data()
+    results.write_json(out / "config.json", config.to_dict())
+    results.write_json(out / "environment.json", environment_record(config.device))
+    cells: list[dict[str, Any]] = []
+    for model in config.models:
+        loaded = loaded_models.get(model) or load_model(model, dtype=config.dtype, device=config.device)
+        prepared = [prepare_task(loaded, task, config.samples) for task in task_objects]
+        callbacks.on_start(model, _remaining_samples(out, model, prepared, config.methods))
+        warmed: set[str] = set() if config.warmup else {method.label for method in config.methods}
+        for item in prepared:
+            for method in config.methods:
+                callbacks.on_cell(model, item.name, method.label)
+                cells.append(run_cell(out, model, loaded, item, method, config, callbacks, warmed))
+    return cells
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with `threads` torch CPU threads (unchanged when None), restoring the setting after."""
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def prepare_task(loaded: LoadedModel, task: Task, num_samples: int) -> PreparedTask:
+    """Load a task's samples and encode them, checking that each fits in the model's context."""
+    data = task.load(loaded.tokenizer, num_samples)
+    if not data.samples:
+        raise ConfigError(f"task {task.registry_name!r} produced no samples ({data.skipped_rows} malformed rows)")
+    prompts = [encode_sample(loaded, sample) for sample in data.samples]
+    limit = loaded.architecture.max_context
+    longest = max(len(prompt) for prompt in prompts)
+    if longest + task.generation_length > limit:
+        raise ConfigError(
+            f"task {task.registry_name!r}: a prompt has {longest} tokens, which with {task.generation_length} new "
+            f"tokens exceeds the model's context of {limit}; lower the task's context_tokens"
+        )
+    return PreparedTask(task, data, prompts)
+
+
+def encode_sample(loaded: LoadedModel, sample: Sample) -> list[int]:
+    """Prompt ids: the chat-templated prompt, then the answer prefix as the start of the answer."""
+    ids = loaded.encode_prompt(sample.prompt)
+    if sample.answer_prefix:
+        # After a chat template the prefix opens the assistant turn; in plain text it needs a space.
+        separator = "" if loaded.has_chat_template else " "
+        ids += loaded.tokenizer(separator + sample.answer_prefix, add_special_tokens=False)["input_ids"]
+    return [int(i) for i in ids]
+
+
+def warm_up(loaded: LoadedModel, method: MethodSpec, prompt: list[int]) -> None:
+    """One short generation so first-call costs (allocation, lazy initialisation) are not measured."""
+    config = GenerationConfig(max_new_tokens=WARMUP_NEW_TOKENS, ignore_eos=True)
+    run_method(loaded, method, [prompt[:WARMUP_PROMPT_TOKENS]], config)
+
+
+def run_cell(
+    out: Path,
+    model: str,
+    loaded: LoadedModel,
+    item: PreparedTask,
+    method: MethodSpec,
+    config: BenchConfig,
+    callbacks: BenchCallbacks,
+    warmed: set[str],
+) -> dict[str, Any]:
+    """Generate and score the cell's missing samples, then write and return its metrics.
+
+    `warmed` holds the labels of methods already warmed up in this process (updated here).
+    """
+    directory = results.cell_dir(out, model, item.name, method.label)
+    fingerprint = cell_fingerprint(model, item.task, method, config)
+    finished = _finished_metrics(directory, fingerprint, len(item.data.samples))
+    if finished is not None:
+        return finished
+    results.claim_cell(directory, fingerprint)
+    predictions = directory / results.PREDICTIONS_FILE
+    wanted = {sample.id for sample in item.data.samples}
+    stored = results.read_predictions(predictions)
+    results.rewrite_predictions(predictions, stored)  # drops a torn line before appending
+    records = [record for record in stored if record["id"] in wanted]
+    done = {record["id"] for record in records}
+    generation = GenerationConfig(max_new_tokens=item.task.generation_length, stop_strings=item.task.stop_strings)
+    for sample, prompt in zip(item.data.samples, item.prompts):
+        if sample.id in done:
+            continue
+        if method.label not in warmed:
+            warm_up(loaded, method, prompt)
+            warmed.add(method.label)
+        record = measure_sample(loaded, method, item.task, sample, prompt, generation, config.repeats)
+        results.append_prediction(predictions, record)
+        records.append(record)
+        callbacks.on_sample()
+    full_records = records if method.label == FULL_LABEL else _full_records(out, model, item.name)
+    header = {
+        "model": model,
+        "task": item.name,
+        "workload": item.task.workload,
+        "method": method.label,
+        "kind": method.kind,
+        "skipped_rows": item.data.skipped_rows,
+        "fingerprint": fingerprint,
+        "git_revision": git_revision(),
+    }
+    metrics = summarize_cell(records, full_records, item.task.primary_metric, header)
+    results.write_json(directory / results.METRICS_FILE, metrics)
+    return metrics
+
+
+def measure_sample(
+    loaded: LoadedModel,
+    method: MethodSpec,
+    task: Task,
+    sample: Sample,
+    prompt: list[int],
+    generation: GenerationConfig,
+    repeats: int,
+) -> dict[str, Any]:
+    """Generate `repeats` times (median timings), score the output, and return the sample's record."""
+    runs, outputs, outputs_spec = [], [], []
+    with track_peak_memory(loaded.device) as peak:
+        for _ in range(repeats):
+            output = run_method(loaded, method, [prompt], generation)
+            outputs.append(output.requests[0])
+            runs.append(dataclasses.asdict(output.stats))
+            outputs_spec.append(output.spec)
+    request = outputs[0]
+    if any(other.token_ids != request.token_ids for other in outputs[1:]):
+        logger.warning("%s/%s: repeated greedy runs gave different outputs", method.label, sample.id)
+    return {
+        "id": sample.id,
+        "prediction": request.text,
+        "token_ids": request.token_ids,
+        "stop_reason": request.stop_reason,
+        "references": list(sample.references),
+        "scores": task.score(request.text, sample),
+        "stats": median_stats(runs),
+        "memory": dataclasses.asdict(peak),
+        "spec": _spec_summary(outputs_spec),
+    }
+
+
+def _spec_summary(spec_stats: list[Any]) -> dict[str, Any] | None:
+    """Acceptance of a lossless method's drafts (first run), or None for other methods."""
+    first = spec_stats[0]
+    if first is None:
+        return None
+    return {"acceptance_length": first.acceptance_length, "rounds": first.rounds, "draft_tokens": first.draft_tokens}
+
+
+def cell_fingerprint(model: str, task: Task, method: MethodSpec, config: BenchConfig) -> dict[str, Any]:
+    """What a cell's results depend on; a folder made with another fingerprint is never mixed in."""
+    return {
+        "model": model,
+        "dtype": config.dtype,
+        "device": config.device,
+        "task": task.to_dict(),
+        "method": method.to_dict(),
+        "repeats": config.repeats,
+    }
+
+
+def _finished_metrics(directory: Path, fingerprint: dict[str, Any], num_samples: int) -> dict[str, Any] | None:
+    metrics = results.read_json(directory / results.METRICS_FILE)
+    if isinstance(metrics, dict) and metrics.get("fingerprint") == fingerprint and metrics.get("num_samples") == num_samples:
+        return metrics
+    return None
+
+
+def _full_records(out: Path, model: str, task: str) -> list[dict[str, Any]]:
+    return results.read_predictions(results.cell_dir(out, model, task, FULL_LABEL) / results.PREDICTIONS_FILE)
+
+
+def _remaining_samples(out: Path, model: str, prepared: list[PreparedTask], methods: tuple[MethodSpec, ...]) -> int:
+    remaining = 0
+    for item in prepared:
+        wanted = {sample.id for sample in item.data.samples}
+        for method in methods:
+            predictions = results.cell_dir(out, model, item.name, method.label) / results.PREDICTIONS_FILE
+            remaining += len(wanted - {record["id"] for record in results.read_predictions(predictions)})
+    return remaining

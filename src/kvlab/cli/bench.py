@@ -1,0 +1,128 @@
+"""`kvlab bench`: run (or resume) a benchmark matrix and write its report; `kvlab bench report DIR` re-renders."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from kvlab.bench import BenchCallbacks, preset_config, run_benchmark
+from kvlab.bench.methods import parse_method
+from kvlab.bench.presets import PRESETS
+from kvlab.bench.report import render_report
+from kvlab.bench.tasks import tasks
+from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json
+from kvlab.errors import ConfigError
+from kvlab.registry import parse_value
+
+
+class BenchCommand(Command):
+    name = "bench"
+    help = "benchmark methods on task quality and system cost; `kvlab bench report DIR` re-renders a report"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("action", nargs="?", choices=("run", "report"), default="run", help="run (default) or report")
+        parser.add_argument("directory", nargs="?", type=Path, help="results folder (for `report`)")
+        parser.add_argument("--preset", default="smoke", choices=sorted(PRESETS), help="the matrix to start from")
+        parser.add_argument(
+            "--methods", nargs="+", metavar="METHOD", help="rows: kivi-2, snapkv-50, ... or COMPRESSOR:key=value,..."
+        )
+        parser.add_argument(
+            "--tasks", nargs="+", metavar="TASK", help="tasks (the preset's settings, or TASK:key=value,...)"
+        )
+        parser.add_argument("--samples", type=int, help="samples per task (default: the preset's)")
+        parser.add_argument("--out", type=Path, help="results folder (default: bench-results/PRESET)")
+        parser.add_argument("--model", action="append", help="model to benchmark (repeatable; default: smollm2)")
+        parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
+        parser.add_argument("--repeats", type=int, default=1, help="generations per sample; timings are medians")
+        parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+        add_json_flag(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        if args.action == "report":
+            return self._report(args)
+        if args.directory is not None:
+            raise ConfigError("a results folder is given with --out; `kvlab bench report DIR` re-renders one")
+        out = args.out or Path("bench-results") / args.preset
+        fields: dict[str, Any] = {"out": str(out), "device": args.device, "repeats": args.repeats, "threads": args.threads}
+        if args.samples is not None:
+            fields["samples"] = args.samples
+        if args.model:
+            fields["models"] = tuple(args.model)
+        if args.tasks:
+            fields["tasks"] = tuple(_task_spec(text, PRESETS[args.preset].tasks) for text in args.tasks)
+        methods = tuple(parse_method(text) for text in args.methods) if args.methods else None
+        config = preset_config(args.preset, methods=methods, **fields)
+        with BarCallbacks(enabled=not args.json) as callbacks:
+            cells = run_benchmark(config, callbacks)
+        report = render_report(Path(config.out))
+        if args.json:
+            print_json({"out": config.out, "report": str(report), "cells": cells})
+        else:
+            print(f"{len(cells)} cells in {config.out}; report: {report}")
+        return EXIT_OK
+
+    def _report(self, args: argparse.Namespace) -> int:
+        if args.directory is None:
+            raise ConfigError("`kvlab bench report` needs the results folder: kvlab bench report DIR")
+        report = render_report(args.directory)
+        if args.json:
+            print_json({"report": str(report)})
+        else:
+            print(f"report: {report}")
+        return EXIT_OK
+
+
+def _task_spec(text: str, preset_tasks: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    """`NAME` (the preset's settings for it, else defaults) or `NAME:key=value,...` on top of those."""
+    name, _, assignments = text.partition(":")
+    tasks.get(name)  # unknown names fail here, listing the known ones
+    spec = next((dict(s) for s in preset_tasks if s["name"] == name), {"name": name})
+    hints = {p.name: p for p in tasks.parameters(name)}
+    for assignment in filter(None, assignments.split(",")):
+        key, sep, raw = assignment.partition("=")
+        if not sep or key not in hints:
+            raise ConfigError(f"task {name!r}: expected key=value with key in {', '.join(hints)}, got {assignment!r}")
+        spec[key] = parse_value(raw, _field_type(name, key))
+    return spec
+
+
+def _field_type(name: str, key: str) -> Any:
+    return typing.get_type_hints(tasks.get(name)).get(key, Any)
+
+
+class BarCallbacks(BenchCallbacks):
+    """A stderr progress bar over the run's samples, with live samples/s and the current cell."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and sys.stderr.isatty()
+        self._bar: tqdm[Any] | None = None
+
+    def on_start(self, model: str, total_samples: int) -> None:
+        self.close()
+        self._bar = tqdm(
+            total=total_samples, unit="sample", file=sys.stderr, disable=not self.enabled, dynamic_ncols=True, desc=model
+        )
+
+    def on_cell(self, model: str, task: str, method: str) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"{task} / {method}")
+
+    def on_sample(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> BarCallbacks:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
