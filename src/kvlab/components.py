@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 
 # Packages whose import registers components (each adds itself as its issue lands).
-COMPONENT_PACKAGES: tuple[str, ...] = ("kvlab.compress", "kvlab.codec", "kvlab.bench")
+COMPONENT_PACKAGES: tuple[str, ...] = ("kvlab.compress", "kvlab.codec", "kvlab.bench", "kvlab.store")
 
 
 def load_components() -> None:

@@ -1,0 +1,65 @@
+"""The store contract: bytes in, bytes out, by key; backends chosen by URL scheme."""
+
+from __future__ import annotations
+
+import abc
+import re
+from urllib.parse import urlparse
+
+from kvlab.errors import ConfigError
+from kvlab.registry import Registry
+
+stores: Registry[KVStore] = Registry("store")
+
+# Keys become file names and Redis keys: a narrow alphabet keeps untrusted keys from naming anything
+# outside the store (no separators, no "..", no leading dot).
+_KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,199}")
+
+
+class KVStore(abc.ABC):
+    """A key-value store of byte strings. Batch methods default to loops; backends may do better."""
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The bytes stored under `key`, or None when there are none."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove `key` (no error when absent)."""
+
+    def contains(self, key: str) -> bool:
+        return self.get(key) is not None
+
+    def put_many(self, items: dict[str, bytes]) -> None:
+        for key, data in items.items():
+            self.put(key, data)
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        return [self.get(key) for key in keys]
+
+    def close(self) -> None:
+        """Release connections or handles (no-op by default)."""
+
+
+def check_key(key: str) -> str:
+    """`key` if it is a valid store key, else ConfigError."""
+    if not isinstance(key, str) or not _KEY.fullmatch(key):
+        raise ConfigError(f"invalid store key {key!r}: use 1-200 of A-Z a-z 0-9 _ - . (not starting with '.')")
+    return key
+
+
+def check_bytes(data: bytes) -> bytes:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"stores hold bytes, got {type(data).__name__}")
+    return bytes(data)
+
+
+def create_store(url: str) -> KVStore:
+    """A store from its URL: `memory://`, `file:///path/to/dir`, ... (`kvlab ls` lists the schemes)."""
+    scheme = urlparse(url).scheme
+    if not scheme:
+        raise ConfigError(f"store URL {url!r} has no scheme; use one of: {', '.join(stores.names())}")
+    return stores.get(scheme).from_url(url)  # type: ignore[attr-defined, no-any-return]

@@ -1,0 +1,33 @@
+"""`memory://`: a process-local store, for tests and single-process experiments."""
+
+from __future__ import annotations
+
+import threading
+
+from kvlab.store.base import KVStore, check_bytes, check_key, stores
+
+
+@stores.register("memory")
+class MemoryStore(KVStore):
+    """Keys and bytes in a dict guarded by a lock (safe across threads)."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_url(cls, url: str) -> MemoryStore:
+        return cls()
+
+    def put(self, key: str, data: bytes) -> None:
+        payload = check_bytes(data)
+        with self._lock:
+            self._data[check_key(key)] = payload
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            return self._data.get(check_key(key))
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._data.pop(check_key(key), None)
