@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvlab.cache import KVCache, forward
+from kvlab.cache import ForwardStep, KVCache, PairedPrefillStep, forward, run_step
 from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
 from kvlab.generation.config import GenerationConfig
@@ -104,25 +104,44 @@ def check_prompts(loaded: LoadedModel, prompts: list[list[int]], max_new_tokens:
 
 
 def prefill(
-    loaded: LoadedModel, prompts: list[list[int]], capacity: int, compressor: Compressor | None = None
-) -> tuple[KVCache, torch.Tensor]:
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    capacity: int,
+    compressor: Compressor | None = None,
+    drafter: Compressor | None = None,
+) -> tuple[KVCache, KVCache | None, torch.Tensor]:
     """Prefill every prompt on its own (no padding), then stack the rows into one batch cache.
 
-    The prompt's own attention is always exact; with a compressor, each layer compresses the prompt
-    right after attending over it.
+    The prompt's own attention is always exact. With `compressor`, each layer compresses the prompt
+    right after attending over it. With `drafter`, the same forward also gives each layer's prompt KV
+    to a second cache that `drafter` compresses (the draft cache of lossless decoding); the first
+    cache then stays full.
 
     Returns:
-        The batch cache and [B, V] logits of each prompt's last position.
+        The batch cache, the draft cache (None without `drafter`), and [B, V] logits of each prompt's
+        last position.
     """
-    caches, last_logits = [], []
+    caches, drafts, last_logits = [], [], []
     for prompt in prompts:
         cache = KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device, compressor)
+        positions = cache.next_positions(len(prompt), loaded.device)
+        step: ForwardStep
+        if drafter is None:
+            step = ForwardStep(cache, positions, compress=compressor is not None)
+        else:
+            drafts.append(KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device, drafter))
+            step = PairedPrefillStep(cache, positions, draft_cache=drafts[-1])
         input_ids = torch.tensor([prompt], device=loaded.device)
-        logits = forward(loaded.model, cache, input_ids, logits_to_keep=1, compress=compressor is not None)
-        last_logits.append(logits[:, -1])
+        last_logits.append(run_step(loaded.model, step, input_ids, logits_to_keep=1)[:, -1])
+        if drafter is not None:
+            drafts[-1].advance(len(prompt))
         caches.append(cache)
-    cache = caches[0] if len(caches) == 1 else KVCache.stack(caches, capacity)
-    return cache, torch.cat(last_logits)
+    draft_cache = _stack(drafts, capacity) if drafts else None
+    return _stack(caches, capacity), draft_cache, torch.cat(last_logits)
+
+
+def _stack(caches: list[KVCache], capacity: int) -> KVCache:
+    return caches[0] if len(caches) == 1 else KVCache.stack(caches, capacity)
 
 
 def generate(
@@ -151,7 +170,7 @@ def generate(
         loaded.eos_token_ids, config.stop_strings, config.max_new_tokens, loaded.decode, config.ignore_eos
     )
     capacity = max(len(p) for p in prompts) + config.max_new_tokens
-    cache, logits = prefill(loaded, prompts, capacity, compressor)
+    cache, _, logits = prefill(loaded, prompts, capacity, compressor)
     stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
     stats.record_cache(cache)
     rows = BatchRows(len(prompts), checker)

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel
 
-from kvlab.cache import KVCache, PairedPrefillStep, VerifyStep, forward, run_step
+from kvlab.cache import KVCache, VerifyStep, forward, run_step
 from kvlab.cache.tiers import TIERS, BackgroundLoader, Tier, move_to_disk, prefetch
 from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
@@ -28,6 +28,7 @@ from kvlab.generation.engine import (
     check_prompts,
     collect_requests,
     finish_timing,
+    prefill,
 )
 from kvlab.generation.rows import BatchRows
 from kvlab.generation.sampling import select_next_tokens, token_probabilities
@@ -89,29 +90,6 @@ class _Round:
     next_token_ids: torch.Tensor  # [B] int64, correction or bonus token
 
 
-def prefill_pair(
-    loaded: LoadedModel, prompts: list[list[int]], capacity: int, drafter: Compressor
-) -> tuple[KVCache, KVCache, torch.Tensor]:
-    """Prefill each prompt once, filling the full cache and the drafter's compressed cache together.
-
-    Returns:
-        (full cache, draft cache, [B, V] logits of each prompt's last position, exact).
-    """
-    fulls, drafts, last_logits = [], [], []
-    for prompt in prompts:
-        full = KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device)
-        draft = KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device, drafter)
-        input_ids = torch.tensor([prompt], device=loaded.device)
-        step = PairedPrefillStep(full, full.next_positions(len(prompt), loaded.device), draft_cache=draft)
-        last_logits.append(run_step(loaded.model, step, input_ids, logits_to_keep=1)[:, -1])
-        draft.advance(len(prompt))
-        fulls.append(full)
-        drafts.append(draft)
-    if len(prompts) == 1:
-        return fulls[0], drafts[0], last_logits[0]
-    return KVCache.stack(fulls, capacity), KVCache.stack(drafts, capacity), torch.cat(last_logits)
-
-
 def generate_lossless(
     loaded: LoadedModel,
     prompts: list[list[int]],
@@ -137,7 +115,8 @@ def generate_lossless(
     checker = StopChecker(loaded.eos_token_ids, config.stop_strings, config.max_new_tokens, loaded.decode, config.ignore_eos)
     controller = spec.controller()
     capacity = max(len(p) for p in prompts) + config.max_new_tokens + spec.max_draft_length + 2
-    full, draft, logits = prefill_pair(loaded, prompts, capacity, spec.drafter)
+    full, draft, logits = prefill(loaded, prompts, capacity, drafter=spec.drafter)
+    assert draft is not None
     if spec.full_kv_tier == "disk":
         full = move_to_disk(full)
     stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
