@@ -26,6 +26,7 @@ $(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
 	touch $@
 
 test: setup
+	scripts/ensure-redis-server
 	$(BIN)/python -m pytest
 
 demo: setup

@@ -1,8 +1,16 @@
-"""Shared fixtures: tiny random models (unit tests) and the embedded real model (integration tests)."""
+"""Shared fixtures: tiny random models (unit tests), the embedded real model (integration tests), redis servers."""
 
 from __future__ import annotations
 
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
+import redis
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -78,3 +86,89 @@ def transformers_greedy(loaded: LoadedModel, prompt: list[int], max_new_tokens: 
             pad_token_id=loaded.tokenizer.pad_token_id or 0,
         )
     return output[0, len(prompt) :].tolist()
+
+
+class RedisServer:
+    """A private redis-server on a free loopback port, without persistence, for the store tests."""
+
+    def __init__(self, workdir: Path) -> None:
+        executable = shutil.which("redis-server")
+        if executable is None:
+            pytest.fail("redis-server is not on PATH; install it (apt-get install redis-server) to run the store tests")
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log = workdir / "redis-server.log"
+        # Another process may take the free port before redis-server binds it; a new port fixes that.
+        for _ in range(3):
+            self.port = free_port()
+            self.url = f"redis://127.0.0.1:{self.port}/0"
+            with self.log.open("wb") as log:
+                self.process = subprocess.Popen(
+                    [executable, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                     "--dir", str(workdir)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            if self._wait_until_ready(timeout_s=10.0):
+                return
+        pytest.fail(f"redis-server did not start: {self.log.read_text(errors='replace')[-2000:]}")
+
+    def _wait_until_ready(self, timeout_s: float) -> bool:
+        """Whether the server answered PING in time (False when it exited, e.g. the port was taken)."""
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline and self.process.poll() is None:
+                try:
+                    if client.ping():
+                        return True
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                    time.sleep(0.05)
+        finally:
+            client.close()
+        if self.process.poll() is None:
+            self.stop()
+            pytest.fail(f"redis-server on port {self.port} did not answer PING within {timeout_s:.0f} s")
+        return False
+
+    def flush(self) -> None:
+        with redis.Redis(host="127.0.0.1", port=self.port) as client:
+            client.flushdb()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    # The OS picks an unused port; RedisServer retries with another if it is taken before the bind.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def redis_session_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_session_server: RedisServer) -> str:
+    """URL of the shared test redis-server, emptied before each test so tests are independent."""
+    redis_session_server.flush()
+    return redis_session_server.url
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of the test's own, which the test may stop."""
+    server = RedisServer(tmp_path / "redis")
+    yield server
+    server.stop()

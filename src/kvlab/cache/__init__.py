@@ -1,7 +1,7 @@
 """The only code that builds and mutates KV caches."""
 
 from kvlab.cache.kv_cache import FullKVLayer, KVCache, KVLayer
-from kvlab.cache.step import ForwardStep, PairedPrefillStep, VerifyStep, forward, run_step
+from kvlab.cache.step import ForwardStep, PairedPrefillStep, forward, run_step
 
 __all__ = [
     "ForwardStep",
@@ -9,7 +9,6 @@ __all__ = [
     "KVCache",
     "KVLayer",
     "PairedPrefillStep",
-    "VerifyStep",
     "forward",
     "run_step",
 ]

@@ -18,35 +18,26 @@ class ForwardStep:
         cache: Where new keys/values go and past ones come from.
         query_positions: [B, q] int64 true positions of the tokens being fed.
         compress: This forward feeds the whole prompt: compressed layers compress it afterwards.
+        captured: When a list, each layer's new keys/values ([B, H_kv, q, D], rotary applied) are
+            appended to it: the exact KV of the fed tokens, for a draft cache or a prefix store.
     """
 
     cache: KVCache
     query_positions: torch.Tensor
     compress: bool = False
+    captured: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def attend(
         self, layer_idx: int, queries: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor, scaling: float
     ) -> torch.Tensor:
+        if self.captured is not None:
+            self.captured.append((new_keys, new_values))
         layer = self.cache.layers[layer_idx]
         layer.append(new_keys, new_values)
         output = layer.attend(queries, self.query_positions, scaling)
         if self.compress:
             layer.compress_prompt(queries, scaling, layer_idx)
         return output
-
-
-@dataclasses.dataclass(slots=True)
-class VerifyStep(ForwardStep):
-    """A forward on the full cache that also keeps each layer's new keys/values (exact KV of the
-    verified tokens, to hand to the draft cache afterwards)."""
-
-    captured: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
-
-    def attend(
-        self, layer_idx: int, queries: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor, scaling: float
-    ) -> torch.Tensor:
-        self.captured.append((new_keys, new_values))
-        return ForwardStep.attend(self, layer_idx, queries, new_keys, new_values, scaling)
 
 
 @dataclasses.dataclass(slots=True)

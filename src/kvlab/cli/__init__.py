@@ -14,9 +14,12 @@ from kvlab.cli.codec import CodecCommand
 from kvlab.cli.demo import DemoCommand
 from kvlab.cli.generate import GenerateCommand
 from kvlab.cli.ls import ListCommand
+from kvlab.cli.store import StoreCommand
 from kvlab.errors import ConfigError
 
-COMMANDS: tuple[type[Command], ...] = (GenerateCommand, DemoCommand, ListCommand, CodecCommand, BenchCommand)
+COMMANDS: tuple[type[Command], ...] = (
+    GenerateCommand, DemoCommand, ListCommand, CodecCommand, BenchCommand, StoreCommand
+)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:

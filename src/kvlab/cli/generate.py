@@ -16,6 +16,7 @@ from kvlab.generation import GenerationConfig, GenerationOutput, generate
 from kvlab.models import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
 from kvlab.models.draft_weights import DRAFT_WEIGHTS
 from kvlab.spec import SpecConfig, generate_lossless
+from kvlab.store.prefix import PrefixCache, PrefixConfig
 
 
 class GenerateCommand(Command):
@@ -62,6 +63,18 @@ class GenerateCommand(Command):
             "--draft-weights", default="same", choices=DRAFT_WEIGHTS,
             help="draft with the model itself or an int8-weight copy (CPU; verification stays exact)",
         )
+        reuse = parser.add_argument_group("prefix reuse through a KV store")
+        reuse.add_argument(
+            "--prefix-store", metavar="URL",
+            help="restore the prompt's stored leading chunks from, and save new ones to, this store "
+            "(memory://, file:///dir, redis://host:port/db)",
+        )
+        reuse.add_argument("--prefix-chunk-tokens", type=int, default=256, help="tokens per stored chunk")
+        reuse.add_argument(
+            "--prefix-resolutions", default="exact", metavar="NAMES",
+            help="comma-separated resolutions to save and fetch: exact (default, output identical), raw, int8, "
+            "int4 (fetched when faster; int8/int4 change the output)",
+        )
         add_json_flag(parser)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -76,15 +89,30 @@ class GenerateCommand(Command):
         )
         compressor = _compressor(args)
         spec = _spec_config(args)
+        prefix_config = _prefix_config(args)
         loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+        prefix = None if prefix_config is None else PrefixCache.for_model(loaded, args.prefix_store, prefix_config)
         prompt_ids = loaded.encode_prompt(text, raw=args.raw)
-        with TokenProgress(total=config.max_new_tokens, enabled=not args.json) as progress:
-            if spec is not None:
-                output = generate_lossless(loaded, [prompt_ids], config, spec, on_progress=progress.update)
-            else:
-                output = generate(loaded, [prompt_ids], config, on_progress=progress.update, compressor=compressor)
+        try:
+            with TokenProgress(total=config.max_new_tokens, enabled=not args.json) as progress:
+                if spec is not None:
+                    output = generate_lossless(loaded, [prompt_ids], config, spec, progress.update, prefix=prefix)
+                else:
+                    output = generate(loaded, [prompt_ids], config, progress.update, compressor, prefix=prefix)
+        finally:
+            if prefix is not None:
+                prefix.close()  # the chunks this prompt computed are written before exiting
         _report(loaded, output, compressor, args.json)
         return EXIT_OK
+
+
+def _prefix_config(args: argparse.Namespace) -> PrefixConfig | None:
+    if args.prefix_store is None:
+        if args.prefix_resolutions != "exact" or args.prefix_chunk_tokens != 256:
+            raise ConfigError("--prefix-chunk-tokens and --prefix-resolutions need --prefix-store")
+        return None
+    names = tuple(name.strip() for name in args.prefix_resolutions.split(",") if name.strip())
+    return PrefixConfig(chunk_tokens=args.prefix_chunk_tokens, write=names, fetch=names)
 
 
 def _spec_config(args: argparse.Namespace) -> SpecConfig | None:
@@ -168,6 +196,14 @@ def _report(loaded: LoadedModel, output: GenerationOutput, compressor: Compresso
         f"KV {stats['kv_bytes'] / 2**20:.1f} MiB ({stats['kv_bytes_ratio']:.2f}x smaller than fp16)",
         file=sys.stderr,
     )
+    if output.stats.prefix_fetches:
+        fetch = output.stats.prefix_fetches[0]
+        failure = f"; stopped early: {fetch.failure}" if fetch.failure else ""
+        print(
+            f"prefix store: reused {fetch.fetched_tokens} of {stats['prompt_tokens']} prompt tokens "
+            f"({fetch.nbytes / 2**20:.1f} MiB in {fetch.fetch_s:.2f} s{failure})",
+            file=sys.stderr,
+        )
     if output.spec is not None:
         print(
             f"lossless: {output.spec.rounds} rounds, acceptance length {output.spec.acceptance_length:.1f} "

@@ -20,6 +20,7 @@ from kvlab.generation.rows import BatchRows
 from kvlab.generation.sampling import select_next_tokens
 from kvlab.generation.stopping import StopChecker, StopReason
 from kvlab.models import LoadedModel
+from kvlab.store.prefix import FetchStats, PrefixSource
 from kvlab.timing import Stopwatch
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ class GenerationStats:
         kv_bytes: Bytes of the KV representation at its largest (full-precision parts counted in fp16).
         kv_bytes_ratio: What the same tokens take uncompressed in fp16, divided by `kv_bytes`.
         kv_resident_bytes: Bytes of KV tensors held in memory at the largest, working copies included.
+        prefix_reused_tokens: Prompt tokens whose KV came from a prefix store instead of the model.
+        prefix_fetches: One record per prompt fetched from a prefix store.
     """
 
     prompt_tokens: int = 0
@@ -52,6 +55,8 @@ class GenerationStats:
     kv_bytes: int = 0
     kv_bytes_ratio: float = 1.0
     kv_resident_bytes: int = 0
+    prefix_reused_tokens: int = 0
+    prefix_fetches: list[FetchStats] = dataclasses.field(default_factory=list)
 
     def record_cache(self, cache: KVCache) -> None:
         """Update the KV size figures from the cache's current contents, keeping the largest."""
@@ -109,13 +114,16 @@ def prefill(
     capacity: int,
     compressor: Compressor | None = None,
     drafter: Compressor | None = None,
+    prefix: PrefixSource | None = None,
+    stats: GenerationStats | None = None,
 ) -> tuple[KVCache, KVCache | None, torch.Tensor]:
     """Prefill every prompt on its own (no padding), then stack the rows into one batch cache.
 
     The prompt's own attention is always exact. With `compressor`, each layer compresses the prompt
     right after attending over it. With `drafter`, the same forward also gives each layer's prompt KV
     to a second cache that `drafter` compresses (the draft cache of lossless decoding); the first
-    cache then stays full.
+    cache then stays full. With `prefix`, each prompt's leading chunks are restored from a prefix
+    store first (into both caches) and only the rest is computed; the computed chunks are then saved.
 
     Returns:
         The batch cache, the draft cache (None without `drafter`), and [B, V] logits of each prompt's
@@ -124,20 +132,47 @@ def prefill(
     caches, drafts, last_logits = [], [], []
     for prompt in prompts:
         cache = KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device, compressor)
-        positions = cache.next_positions(len(prompt), loaded.device)
-        step: ForwardStep
-        if drafter is None:
-            step = ForwardStep(cache, positions, compress=compressor is not None)
-        else:
-            drafts.append(KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device, drafter))
-            step = PairedPrefillStep(cache, positions, draft_cache=drafts[-1])
-        input_ids = torch.tensor([prompt], device=loaded.device)
-        last_logits.append(run_step(loaded.model, step, input_ids, logits_to_keep=1)[:, -1])
+        draft = None
         if drafter is not None:
-            drafts[-1].advance(len(prompt))
+            draft = KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device, drafter)
+            drafts.append(draft)
+        start = 0 if prefix is None else _restore_prefix(prefix, prompt, [cache, draft], loaded.device, stats)
+        positions = cache.next_positions(len(prompt) - start, loaded.device)
+        captured: list[tuple[torch.Tensor, torch.Tensor]] | None = None if prefix is None else []
+        step: ForwardStep
+        if draft is None:
+            step = ForwardStep(cache, positions, compress=compressor is not None, captured=captured)
+        else:
+            step = PairedPrefillStep(cache, positions, captured=captured, draft_cache=draft)
+        input_ids = torch.tensor([prompt[start:]], device=loaded.device)
+        clock = Stopwatch(loaded.device)
+        last_logits.append(run_step(loaded.model, step, input_ids, logits_to_keep=1)[:, -1])
+        if draft is not None:
+            draft.advance(len(prompt) - start)
+        if prefix is not None and captured is not None:
+            prefix.observe_prefill(len(prompt) - start, clock.elapsed())
+            prefix.save(prompt, start, captured)
         caches.append(cache)
     draft_cache = _stack(drafts, capacity) if drafts else None
     return _stack(caches, capacity), draft_cache, torch.cat(last_logits)
+
+
+def _restore_prefix(
+    prefix: PrefixSource,
+    prompt: list[int],
+    caches: list[KVCache | None],
+    device: torch.device,
+    stats: GenerationStats | None,
+) -> int:
+    """Append a prompt's stored leading chunks to `caches`; returns how many tokens were restored."""
+    fetched = prefix.fetch(prompt)
+    for cache in caches:
+        if cache is not None:
+            fetched.restore_into(cache, device)
+    if stats is not None:
+        stats.prefix_reused_tokens += fetched.num_tokens
+        stats.prefix_fetches.append(fetched.stats)
+    return fetched.num_tokens
 
 
 def _stack(caches: list[KVCache], capacity: int) -> KVCache:
@@ -150,6 +185,7 @@ def generate(
     config: GenerationConfig,
     on_progress: ProgressCallback | None = None,
     compressor: Compressor | None = None,
+    prefix: PrefixSource | None = None,
 ) -> GenerationOutput:
     """Generate a continuation of each prompt, from the full KV cache or a compressed one.
 
@@ -162,6 +198,8 @@ def generate(
         config: Decoding settings.
         on_progress: Optional callback, see `ProgressCallback`.
         compressor: Compress each prompt's KV after prefill and decode from it (None: full cache).
+        prefix: Restore stored prompt prefixes and save new ones (see `kvlab.store.PrefixCache`);
+            with bit-exact resolutions the output is identical to computing every prompt token.
     """
     check_prompts(loaded, prompts, config.max_new_tokens)
     stopwatch = Stopwatch(loaded.device)
@@ -170,8 +208,8 @@ def generate(
         loaded.eos_token_ids, config.stop_strings, config.max_new_tokens, loaded.decode, config.ignore_eos
     )
     capacity = max(len(p) for p in prompts) + config.max_new_tokens
-    cache, _, logits = prefill(loaded, prompts, capacity, compressor)
     stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
+    cache, _, logits = prefill(loaded, prompts, capacity, compressor, prefix=prefix, stats=stats)
     stats.record_cache(cache)
     rows = BatchRows(len(prompts), checker)
     while True:

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel
 
-from kvlab.cache import KVCache, VerifyStep, forward, run_step
+from kvlab.cache import ForwardStep, KVCache, forward, run_step
 from kvlab.cache.tiers import TIERS, BackgroundLoader, Tier, move_to_disk, prefetch
 from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
@@ -37,7 +37,10 @@ from kvlab.models import LoadedModel
 from kvlab.models.draft_weights import DRAFT_WEIGHTS, DraftWeights, draft_model
 from kvlab.spec.acceptance import greedy_accept, rejection_sample
 from kvlab.spec.draft_length import DraftLengthController
+from kvlab.spec.remote_prefix import RemoteStart, remote_prefix_start
 from kvlab.spec.stats import SpecStats
+from kvlab.store.prefix import PrefixSource
+from kvlab.store.resolution import get_resolution
 from kvlab.timing import Stopwatch
 
 
@@ -54,6 +57,9 @@ class SpecConfig:
             drafts, then loads, then verifies.
         draft_weights: "same" drafts with the model itself (the paper's setting); "int8" drafts with an
             int8-weight copy, cheaper per step on a CPU (verification always uses the exact model).
+        prefix_draft: With a prefix store: fetch the prefix at this low-bit resolution first and draft
+            from it while the bit-exact prefix transfers (`kvlab.spec.remote_prefix`); None fetches
+            only the exact prefix.
     """
 
     drafter: Compressor
@@ -62,6 +68,7 @@ class SpecConfig:
     full_kv_tier: Tier = "memory"
     schedule: Literal["staggered", "synchronous"] = "staggered"
     draft_weights: DraftWeights = "same"
+    prefix_draft: str | None = None
 
     def __post_init__(self) -> None:
         if self.draft_length != "auto" and (not isinstance(self.draft_length, int) or self.draft_length < 1):
@@ -72,6 +79,8 @@ class SpecConfig:
             raise ConfigError(f"full KV tier must be one of {', '.join(TIERS)}, got {self.full_kv_tier!r}")
         if self.draft_weights not in DRAFT_WEIGHTS:
             raise ConfigError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {self.draft_weights!r}")
+        if self.prefix_draft is not None and get_resolution(self.prefix_draft).exact:
+            raise ConfigError(f"prefix_draft is the low-bit resolution to draft from, not {self.prefix_draft!r}: use int8 or int4")
         if self.schedule not in ("staggered", "synchronous"):
             raise ConfigError(f"schedule must be 'staggered' or 'synchronous', got {self.schedule!r}")
 
@@ -96,6 +105,7 @@ def generate_lossless(
     config: GenerationConfig,
     spec: SpecConfig,
     on_progress: ProgressCallback | None = None,
+    prefix: PrefixSource | None = None,
 ) -> GenerationOutput:
     """Generate with a compressed-cache drafter and full-cache verification.
 
@@ -108,6 +118,7 @@ def generate_lossless(
         config: Decoding settings (greedy when temperature is 0).
         spec: Drafter and draft length.
         on_progress: Called after each round with the number of tokens emitted.
+        prefix: Restore stored prompt prefixes (into the full and the draft cache) and save new ones.
     """
     check_prompts(loaded, prompts, config.max_new_tokens)
     stopwatch = Stopwatch(loaded.device)
@@ -115,20 +126,27 @@ def generate_lossless(
     checker = StopChecker(loaded.eos_token_ids, config.stop_strings, config.max_new_tokens, loaded.decode, config.ignore_eos)
     controller = spec.controller()
     capacity = max(len(p) for p in prompts) + config.max_new_tokens + spec.max_draft_length + 2
-    full, draft, logits = prefill(loaded, prompts, capacity, drafter=spec.drafter)
-    assert draft is not None
+    stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
+    spec_stats = SpecStats()
+    if spec.prefix_draft is None:
+        full, draft, logits = prefill(loaded, prompts, capacity, drafter=spec.drafter, prefix=prefix, stats=stats)
+        assert draft is not None
+        last_tokens = select_next_tokens(logits, config, generator)
+        first_tokens = [[token] for token in last_tokens.tolist()]
+    else:
+        if prefix is None:
+            raise ConfigError("drafting from a low-bit prefix (prefix_draft) needs a prefix store")
+        full, draft, first_tokens, last_tokens = _start_from_store(
+            loaded, prompts, capacity, prefix, spec, config, generator, stats, spec_stats
+        )
     if spec.full_kv_tier == "disk":
         full = move_to_disk(full)
-    stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
     stats.record_cache(draft)
-    spec_stats = SpecStats()
     rows = BatchRows(len(prompts), checker)
-    last_tokens = select_next_tokens(logits, config, generator)
-    for row, token in enumerate(last_tokens.tolist()):
-        rows.emit(row, [token])
+    emitted = sum(rows.emit(row, tokens) for row, tokens in enumerate(first_tokens))
     stats.ttft_s = stopwatch.elapsed()
-    stats.new_tokens += len(prompts)
-    _report(on_progress, len(prompts))
+    stats.new_tokens += emitted
+    _report(on_progress, emitted)
     while True:
         keep = rows.running_rows()
         if not keep:
@@ -152,6 +170,36 @@ def generate_lossless(
         last_tokens = round_.next_token_ids
     finish_timing(stats, stopwatch.elapsed(), len(prompts))
     return GenerationOutput(collect_requests(loaded, prompts, rows), stats, spec_stats)
+
+
+def _start_from_store(
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    capacity: int,
+    prefix: PrefixSource,
+    spec: SpecConfig,
+    config: GenerationConfig,
+    generator: torch.Generator | None,
+    stats: GenerationStats,
+    spec_stats: SpecStats,
+) -> tuple[KVCache, KVCache, list[list[int]], torch.Tensor]:
+    """First verified round of each prompt, drafting from its low-bit prefix while the exact one arrives
+    (a prompt with no low-bit prefix stored is prefilled as usual)."""
+    fulls, drafts, first_tokens, last_tokens = [], [], [], []
+    for prompt in prompts:
+        start = remote_prefix_start(loaded, prompt, capacity, prefix, spec, config, generator, stats, spec_stats)
+        if start is None:
+            full, draft, logits = prefill(loaded, [prompt], capacity, drafter=spec.drafter, prefix=prefix, stats=stats)
+            assert draft is not None
+            token = select_next_tokens(logits, config, generator)
+            start = RemoteStart(full, draft, token.tolist(), token)
+        fulls.append(start.full)
+        drafts.append(start.draft)
+        first_tokens.append(start.emitted)
+        last_tokens.append(start.next_token)
+    if len(prompts) == 1:
+        return fulls[0], drafts[0], first_tokens, last_tokens[0]
+    return KVCache.stack(fulls, capacity), KVCache.stack(drafts, capacity), first_tokens, torch.cat(last_tokens)
 
 
 def _draft_and_verify(
@@ -181,7 +229,7 @@ def _draft_and_verify(
         spec_stats.kv_load_s += load_clock.elapsed()
     verify_clock = Stopwatch(loaded.device)
     verify_ids = torch.cat([last_tokens[:, None], draft_token_ids], dim=1)
-    step = VerifyStep(full, full.next_positions(num_draft + 1, loaded.device))
+    step = ForwardStep(full, full.next_positions(num_draft + 1, loaded.device), captured=[])
     target_logits = run_step(loaded.model, step, verify_ids)
     if config.greedy:
         num_accepted, next_token_ids = greedy_accept(draft_token_ids, target_logits)
@@ -194,6 +242,7 @@ def _draft_and_verify(
     # takes the exact KV of the same tokens from the verify pass instead.
     full.drop_last([num_draft - n for n in accepted])
     draft.drop_last(num_draft)
+    assert step.captured is not None
     draft.append(step.captured, [n + 1 for n in accepted])
     verify_s = verify_clock.elapsed()
     spec_stats.draft_s += draft_s

@@ -6,7 +6,7 @@ import abc
 import re
 from urllib.parse import urlparse
 
-from kvlab.errors import ConfigError
+from kvlab.errors import ConfigError, KvlabError
 from kvlab.registry import Registry
 
 stores: Registry[KVStore] = Registry("store")
@@ -14,6 +14,13 @@ stores: Registry[KVStore] = Registry("store")
 # Keys become file names and Redis keys: a narrow alphabet keeps untrusted keys from naming anything
 # outside the store (no separators, no "..", no leading dot).
 _KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,199}")
+# A listing prefix is the start of a key; the alphabet has no glob characters, so backends may use it
+# in a match pattern (Redis SCAN MATCH) unescaped.
+_PREFIX = re.compile(r"[A-Za-z0-9_.-]{0,200}")
+
+
+class StoreUnavailableError(KvlabError):
+    """The store cannot be reached or read (server down, timeout, disk error); the message says what to do."""
 
 
 class KVStore(abc.ABC):
@@ -40,6 +47,15 @@ class KVStore(abc.ABC):
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         return [self.get(key) for key in keys]
 
+    @abc.abstractmethod
+    def keys(self, prefix: str = "") -> list[str]:
+        """The stored keys that start with `prefix`, sorted."""
+
+    def nbytes(self, key: str) -> int | None:
+        """Size in bytes of the value under `key`, or None when there is none."""
+        data = self.get(key)
+        return None if data is None else len(data)
+
     def close(self) -> None:
         """Release connections or handles (no-op by default)."""
 
@@ -49,6 +65,18 @@ def check_key(key: str) -> str:
     if not isinstance(key, str) or not _KEY.fullmatch(key):
         raise ConfigError(f"invalid store key {key!r}: use 1-200 of A-Z a-z 0-9 _ - . (not starting with '.')")
     return key
+
+
+def is_key(name: str) -> bool:
+    """Whether `name` is a valid store key (for skipping foreign entries when listing)."""
+    return bool(_KEY.fullmatch(name))
+
+
+def check_prefix(prefix: str) -> str:
+    """`prefix` if it can start a store key, else ConfigError."""
+    if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
+        raise ConfigError(f"invalid key prefix {prefix!r}: use up to 200 of A-Z a-z 0-9 _ - .")
+    return prefix
 
 
 def check_bytes(data: bytes) -> bytes:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from kvlab.store.base import KVStore, check_bytes, check_key, stores
+from kvlab.store.base import KVStore, check_bytes, check_key, check_prefix, stores
 
 
 @stores.register("memory")
@@ -31,3 +31,13 @@ class MemoryStore(KVStore):
     def delete(self, key: str) -> None:
         with self._lock:
             self._data.pop(check_key(key), None)
+
+    def keys(self, prefix: str = "") -> list[str]:
+        check_prefix(prefix)
+        with self._lock:
+            return sorted(key for key in self._data if key.startswith(prefix))
+
+    def nbytes(self, key: str) -> int | None:
+        with self._lock:
+            data = self._data.get(check_key(key))
+        return None if data is None else len(data)

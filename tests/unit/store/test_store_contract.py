@@ -11,12 +11,15 @@ from pathlib import Path
 import pytest
 
 from kvlab.errors import ConfigError
-from kvlab.store import KVStore, chunk_keys, create_store, fingerprint, stores
+from kvlab.store import KVStore, StoreUnavailableError, chunk_keys, create_store, fingerprint, stores
+from kvlab.store.file import FileStore
 
-# One factory per registered scheme (the matrix must cover the registry).
-BACKENDS: dict[str, Callable[[Path], str]] = {
-    "memory": lambda tmp: "memory://",
-    "file": lambda tmp: f"file://{tmp / 'store'}",
+# One URL factory per registered scheme (the matrix must cover the registry); a factory may ask for
+# fixtures through the request (redis needs the test server from conftest).
+BACKENDS: dict[str, Callable[[pytest.FixtureRequest, Path], str]] = {
+    "memory": lambda request, tmp: "memory://",
+    "file": lambda request, tmp: f"file://{tmp / 'store'}",
+    "redis": lambda request, tmp: str(request.getfixturevalue("redis_url")),
 }
 
 
@@ -26,7 +29,7 @@ def test_every_registered_scheme_is_tested() -> None:
 
 @pytest.fixture(params=sorted(BACKENDS))
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[KVStore]:
-    backend = create_store(BACKENDS[request.param](tmp_path))
+    backend = create_store(BACKENDS[request.param](request, tmp_path))
     yield backend
     backend.close()
 
@@ -75,23 +78,81 @@ def test_only_bytes_are_stored(store: KVStore) -> None:
         store.put("k", "text")  # type: ignore[arg-type]
 
 
+def test_keys_lists_stored_keys_sorted_and_by_prefix(store: KVStore) -> None:
+    assert store.keys() == []
+    store.put_many({"b-2": b"x", "a-1": b"", "b-1": b"yy", "b": b"z", "c.9": b"w"})
+    store.delete("c.9")
+    assert store.keys() == ["a-1", "b", "b-1", "b-2"]
+    assert store.keys("b-") == ["b-1", "b-2"]
+    assert store.keys("b") == ["b", "b-1", "b-2"]
+    assert store.keys("zzz") == []
+
+
+def test_keys_refuses_prefixes_that_cannot_start_a_key(store: KVStore) -> None:
+    with pytest.raises(ConfigError, match="invalid key prefix"):
+        store.keys("a*")
+
+
+def test_nbytes_is_the_value_size_or_none(store: KVStore) -> None:
+    store.put("sized", b"12345")
+    store.put("empty", b"")
+    assert (store.nbytes("sized"), store.nbytes("empty"), store.nbytes("absent")) == (5, 0, None)
+
+
 def test_concurrent_clients_lose_and_corrupt_nothing(store: KVStore) -> None:
     errors: list[str] = []
+    num_workers, num_rounds, num_shared = 8, 200, 5
+
+    def payload_of(worker: int, i: int) -> bytes:
+        return f"{worker}:{i}:".encode() * (i % 7 + 1)
+
+    def is_whole(seen: bytes | None) -> bool:
+        fields = (seen or b"").split(b":")
+        return len(fields) > 2 and fields[0].isdigit() and fields[1].isdigit() and \
+            seen == payload_of(int(fields[0]), int(fields[1]))
 
     def client(worker: int) -> None:
-        for i in range(200):
-            key, payload = f"w{worker}-{i}", f"{worker}:{i}:".encode() * (i % 7 + 1)
+        for i in range(num_rounds):
+            key, payload = f"w{worker}-{i}", payload_of(worker, i)
             store.put(key, payload)
             if store.get(key) != payload:
-                errors.append(key)
+                errors.append(f"{key}: own key read back wrong")
+            # Overlapping keys: every writer races on the same few; a reader must see one whole value.
+            shared = f"shared-{i % num_shared}"
+            store.put(shared, payload)
+            seen = store.get(shared)
+            if not is_whole(seen):
+                errors.append(f"{shared}: torn or missing value {seen[:40] if seen else seen!r}")
 
-    threads = [threading.Thread(target=client, args=(w,)) for w in range(8)]
+    threads = [threading.Thread(target=client, args=(w,)) for w in range(num_workers)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert not errors
-    assert all(store.get(f"w{w}-199") == f"{w}:199:".encode() * (199 % 7 + 1) for w in range(8))
+    assert not errors, errors[:5]
+    for w in range(num_workers):
+        for i in range(num_rounds):
+            assert store.get(f"w{w}-{i}") == payload_of(w, i), f"worker {w} round {i} was lost or corrupted"
+    assert len(store.keys("w")) == num_workers * num_rounds
+    assert store.keys("shared-") == [f"shared-{j}" for j in range(num_shared)]
+
+
+def test_file_keys_never_lists_temporary_or_foreign_files(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "store")
+    store.put("ab-1", b"kept")
+    (tmp_path / "store" / "ab" / ".put-interrupted").write_bytes(b"half a value")
+    (tmp_path / "store" / "ab" / "cd-not-in-its-bucket").write_bytes(b"placed by hand")
+    (tmp_path / "store" / ".staging").mkdir()
+    assert store.keys() == ["ab-1"]
+    assert store.keys("ab") == ["ab-1"]
+
+
+def test_file_read_failures_are_store_unavailable(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "store")
+    # A directory where the value file should be fails like an unreadable file, even for root.
+    (tmp_path / "store" / "ke" / "key-1").mkdir(parents=True)
+    with pytest.raises(StoreUnavailableError, match=r"cannot read 'key-1'.*check that the directory"):
+        store.get("key-1")
 
 
 def test_chunk_keys_chain_the_prefix_and_the_fingerprint() -> None:

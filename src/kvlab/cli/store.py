@@ -1,0 +1,123 @@
+"""`kvlab store`: list, read, write and remove entries of a KV store given by its URL."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvlab.cli.base import EXIT_OK, EXIT_RUNTIME_ERROR, Command, add_json_flag, print_json
+from kvlab.errors import ConfigError
+from kvlab.store import KVStore, StoreUnavailableError, check_key, create_store
+
+URL_HELP = "store URL: memory://, file:///absolute/dir or redis://host:port/db[?timeout=SECONDS]"
+
+
+class StoreCommand(Command):
+    name = "store"
+    help = "list, read, write and remove entries of a KV store (file://, redis://)"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        verbs = parser.add_subparsers(dest="store_verb", required=True, metavar="VERB")
+        ls = verbs.add_parser("ls", help="list keys with their sizes and the total")
+        ls.add_argument("url", help=URL_HELP)
+        ls.add_argument("--prefix", default="", help="only keys that start with this")
+        add_json_flag(ls)
+        put = verbs.add_parser("put", help="store the bytes of a file under a key")
+        put.add_argument("url", help=URL_HELP)
+        put.add_argument("key", help="store key (A-Z a-z 0-9 _ - ., up to 200 characters)")
+        put.add_argument("file", help="file to read, or - for stdin")
+        get = verbs.add_parser("get", help="write the bytes under a key to stdout or a file")
+        get.add_argument("url", help=URL_HELP)
+        get.add_argument("key", help="store key")
+        get.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
+        rm = verbs.add_parser("rm", help="remove keys (absent keys are not an error)")
+        rm.add_argument("url", help=URL_HELP)
+        rm.add_argument("keys", nargs="+", metavar="KEY", help="store keys")
+        stats = verbs.add_parser("stats", help="number of keys and total bytes")
+        stats.add_argument("url", help=URL_HELP)
+        add_json_flag(stats)
+
+    def run(self, args: argparse.Namespace) -> int:
+        actions = {"ls": _ls, "put": _put, "get": _get, "rm": _rm, "stats": _stats}
+        store = create_store(args.url)
+        try:
+            return actions[args.store_verb](store, args)
+        except StoreUnavailableError as error:
+            print(f"kvlab store: error: {error}", file=sys.stderr)
+            return EXIT_RUNTIME_ERROR
+        finally:
+            store.close()
+
+
+def _sizes(store: KVStore, prefix: str) -> list[dict[str, Any]]:
+    rows = [{"key": key, "bytes": store.nbytes(key)} for key in store.keys(prefix)]
+    # A key removed by another client between listing and sizing is no longer in the store.
+    return [row for row in rows if row["bytes"] is not None]
+
+
+def _ls(store: KVStore, args: argparse.Namespace) -> int:
+    rows = _sizes(store, args.prefix)
+    total = sum(row["bytes"] for row in rows)
+    if args.json:
+        print_json({"url": args.url, "prefix": args.prefix, "keys": rows, "num_keys": len(rows), "total_bytes": total})
+        return EXIT_OK
+    for row in rows:
+        print(f"{row['bytes']:>12}  {row['key']}")
+    print(f"{len(rows)} keys, {total} bytes")
+    return EXIT_OK
+
+
+def _put(store: KVStore, args: argparse.Namespace) -> int:
+    check_key(args.key)
+    if args.file == "-":
+        data = sys.stdin.buffer.read()
+    else:
+        try:
+            data = Path(args.file).read_bytes()
+        except OSError as error:
+            raise ConfigError(f"cannot read {args.file}: {error.strerror or error}") from None
+    store.put(args.key, data)
+    print(f"stored {len(data)} bytes under {args.key}")
+    return EXIT_OK
+
+
+def _get(store: KVStore, args: argparse.Namespace) -> int:
+    data = store.get(args.key)
+    if data is None:
+        print(f"kvlab store: error: no value under key {args.key!r} in {args.url}; `kvlab store ls URL` lists the keys",
+              file=sys.stderr)
+        return EXIT_RUNTIME_ERROR
+    if args.output is None:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+        return EXIT_OK
+    try:
+        args.output.write_bytes(data)
+    except OSError as error:
+        raise ConfigError(f"cannot write {args.output}: {error.strerror or error}") from None
+    return EXIT_OK
+
+
+def _rm(store: KVStore, args: argparse.Namespace) -> int:
+    # Check every key before removing any, so a typo in one key does not leave the removal half done.
+    for key in args.keys:
+        check_key(key)
+    num_removed = 0
+    for key in args.keys:
+        num_removed += store.contains(key)
+        store.delete(key)
+    print(f"removed {num_removed} of {len(args.keys)} keys")
+    return EXIT_OK
+
+
+def _stats(store: KVStore, args: argparse.Namespace) -> int:
+    rows = _sizes(store, "")
+    stats = {"url": args.url, "num_keys": len(rows), "total_bytes": sum(row["bytes"] for row in rows)}
+    if args.json:
+        print_json(stats)
+        return EXIT_OK
+    print(f"{args.url}: {stats['num_keys']} keys, {stats['total_bytes']} bytes")
+    return EXIT_OK

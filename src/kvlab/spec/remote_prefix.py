@@ -1,0 +1,129 @@
+"""Remote-prefix lossless decoding: draft from a low-bit prefix while the exact prefix is still arriving.
+
+A prompt whose prefix sits in a store at two resolutions starts like this: the small low-bit copy is
+fetched first and becomes the draft cache's prefix (the drafter compresses it like any prompt); while
+the bit-exact copy transfers in the background, the drafter already drafts the first tokens. When the
+exact prefix has landed, one forward over the rest of the prompt and the drafts, on the full cache,
+verifies them. The verifier only ever reads exact KV, so output is identical to recomputing the whole
+prompt; the drafting hides behind the transfer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvlab.cache import ForwardStep, KVCache, forward, run_step
+from kvlab.generation.config import GenerationConfig
+from kvlab.generation.engine import GenerationStats
+from kvlab.generation.sampling import select_next_tokens, token_probabilities
+from kvlab.models import LoadedModel
+from kvlab.models.draft_weights import draft_model
+from kvlab.spec.acceptance import greedy_accept, rejection_sample
+from kvlab.spec.stats import SpecStats
+from kvlab.store.prefix import FetchedPrefix, PrefixSource
+from kvlab.store.resolution import RESOLUTIONS
+from kvlab.timing import Stopwatch
+
+if TYPE_CHECKING:  # kvlab.spec.engine imports this module
+    from kvlab.spec.engine import SpecConfig
+
+
+@dataclasses.dataclass(slots=True)
+class RemoteStart:
+    """A prompt after its first verified round: both caches hold everything before `next_token`."""
+
+    full: KVCache
+    draft: KVCache
+    emitted: list[int]
+    next_token: torch.Tensor  # [1] int64
+
+
+def remote_prefix_start(
+    loaded: LoadedModel,
+    prompt: list[int],
+    capacity: int,
+    prefix: PrefixSource,
+    spec: SpecConfig,
+    config: GenerationConfig,
+    generator: torch.Generator | None,
+    stats: GenerationStats,
+    spec_stats: SpecStats,
+) -> RemoteStart | None:
+    """Start one prompt from a low-bit prefix (see the module docstring).
+
+    Returns None when no low-bit chunk could be fetched: the caller then prefills normally.
+    """
+    assert spec.prefix_draft is not None
+    low = prefix.fetch(prompt, (spec.prefix_draft,))
+    if low.num_tokens == 0:
+        return None
+    arrived: dict[str, FetchedPrefix] = {}
+    transfer = threading.Thread(
+        target=lambda: arrived.update(exact=prefix.fetch(prompt, exact_resolutions())),
+        name="kvlab-exact-prefix",
+        daemon=True,
+    )
+    transfer.start()
+
+    draft_clock = Stopwatch(loaded.device)
+    architecture, dtype, device = loaded.architecture, loaded.dtype, loaded.device
+    draft = KVCache.allocate(architecture, 1, capacity, dtype, device, spec.drafter)
+    low.restore_into(draft, device)
+    drafter = draft_model(loaded.model, spec.draft_weights)
+    rest = torch.tensor([prompt[low.num_tokens :]], device=device)
+    logits = forward(drafter, draft, rest, logits_to_keep=1, compress=True)[:, -1]
+    drafts, probs = [], []
+    with draft.provisional():
+        # Draft until the exact prefix is in (at least one token, at most the longest draft allowed).
+        while True:
+            if not config.greedy:
+                probs.append(token_probabilities(logits, config.temperature, config.top_p))
+                token = torch.multinomial(probs[-1], 1, generator=generator).squeeze(1)
+            else:
+                token = select_next_tokens(logits, config, generator)
+            drafts.append(token)
+            if len(drafts) >= spec.max_draft_length or not transfer.is_alive():
+                break
+            logits = forward(drafter, draft, token[:, None], logits_to_keep=1)[:, -1]
+    draft_s = draft_clock.elapsed()
+    transfer.join()
+    exact = arrived["exact"]
+    spec_stats.kv_load_s += max(0.0, exact.stats.fetch_s - draft_s)
+
+    verify_clock = Stopwatch(device)
+    full = KVCache.allocate(architecture, 1, capacity, dtype, device)
+    exact.restore_into(full, device)
+    draft_ids = torch.stack(drafts, dim=1)  # [1, k]
+    computed = len(prompt) - exact.num_tokens
+    step = ForwardStep(full, full.next_positions(computed + len(drafts), device), captured=[])
+    verify_ids = torch.cat([torch.tensor([prompt[exact.num_tokens :]], device=device), draft_ids], dim=1)
+    # Logits from the last prompt token on: it predicts the first draft.
+    target_logits = run_step(loaded.model, step, verify_ids, logits_to_keep=len(drafts) + 1)
+    if config.greedy:
+        num_accepted, next_token = greedy_accept(draft_ids, target_logits)
+    else:
+        target_probs = token_probabilities(target_logits, config.temperature, config.top_p)
+        num_accepted, next_token = rejection_sample(draft_ids, torch.stack(probs, dim=1), target_probs, generator)
+    accepted = int(num_accepted[0])
+    full.drop_last(len(drafts) - accepted)
+    assert step.captured is not None
+    draft.append([(k[:, :, computed:], v[:, :, computed:]) for k, v in step.captured], [accepted])
+    prefix.observe_prefill(computed + len(drafts), verify_clock.elapsed())
+    prefix.save(prompt, exact.num_tokens, [(k[:, :, :computed], v[:, :, :computed]) for k, v in step.captured])
+
+    spec_stats.draft_s += draft_s
+    spec_stats.verify_s += verify_clock.elapsed()
+    spec_stats.record_round(len(drafts), [accepted])
+    stats.prefix_reused_tokens += exact.num_tokens
+    stats.prefix_fetches.extend([low.stats, exact.stats])
+    emitted = draft_ids[0, :accepted].tolist() + [int(next_token[0])]
+    return RemoteStart(full, draft, emitted, next_token)
+
+
+def exact_resolutions() -> tuple[str, ...]:
+    """Resolutions whose restored KV has the original bits (the verifier reads only these)."""
+    return tuple(name for name, resolution in RESOLUTIONS.items() if resolution.exact)

@@ -1,0 +1,90 @@
+"""An emulated network link in front of a store: a token bucket limits bytes per second.
+
+For experiments on one machine: wrapping a local store in `ThrottledStore(store, 1e9)` makes every
+transfer take as long as it would over a 1 Gbit/s link. Reads and writes share the bucket, as they
+share a real link.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kvlab.errors import ConfigError
+from kvlab.store.base import KVStore
+
+
+class TokenBucket:
+    """`rate` tokens per second, at most `burst` saved up; `take(n)` blocks until n are available.
+
+    Requests larger than the burst are served by going into debt, so a large transfer takes
+    `n / rate` seconds instead of never starting.
+    """
+
+    def __init__(self, rate: float, burst: float) -> None:
+        if rate <= 0 or burst <= 0:
+            raise ConfigError(f"token bucket needs a positive rate and burst, got {rate} and {burst}")
+        self.rate = rate
+        self.burst = burst
+        self._tokens = burst
+        self._stamp = time.perf_counter()
+        self._lock = threading.Lock()
+
+    def take(self, amount: float) -> float:
+        """Consume `amount` tokens, sleeping as long as the rate demands; returns the seconds slept."""
+        with self._lock:
+            now = time.perf_counter()
+            self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+            self._stamp = now
+            self._tokens -= amount
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+        if wait > 0:
+            time.sleep(wait)
+        return wait
+
+
+class ThrottledStore(KVStore):
+    """`inner` behind a link of `bits_per_s` bandwidth and `latency_s` per request.
+
+    Attributes:
+        bytes_read: Bytes delivered by `get`, for measurements.
+        bytes_written: Bytes accepted by `put`.
+    """
+
+    def __init__(self, inner: KVStore, bits_per_s: float, latency_s: float = 0.0, burst_bytes: int = 64 * 1024) -> None:
+        self.inner = inner
+        self.bits_per_s = bits_per_s
+        self.latency_s = latency_s
+        self.bucket = TokenBucket(bits_per_s / 8, burst_bytes)
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def _transfer(self, size: int) -> None:
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        self.bucket.take(size)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._transfer(len(data))
+        self.bytes_written += len(data)
+        self.inner.put(key, data)
+
+    def get(self, key: str) -> bytes | None:
+        data = self.inner.get(key)
+        self._transfer(len(data) if data is not None else 0)
+        self.bytes_read += len(data) if data is not None else 0
+        return data
+
+    def contains(self, key: str) -> bool:
+        self._transfer(0)
+        return self.inner.contains(key)
+
+    def delete(self, key: str) -> None:
+        self._transfer(0)
+        self.inner.delete(key)
+
+    def keys(self, prefix: str = "") -> list[str]:
+        return self.inner.keys(prefix)
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,108 @@
+"""Resolutions a prefix chunk is stored at, and a chunk's byte format.
+
+A stored chunk is the keys and values of every layer for `chunk_tokens` tokens, `[L, H_kv, t, D]`
+each, encoded by one codec pair. Several resolutions of the same chunk may sit side by side under
+different keys (the resolution is part of the key's fingerprint): the fetcher picks one per chunk.
+
+Byte format of a stored chunk: magic `KVPC`, the keys frame's length (u64 little-endian), the keys
+frame, the values frame. Each frame carries its own checksums (`kvlab.codec.framing`), so a corrupted
+chunk is detected and raises `CodecError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from typing import Any
+
+import torch
+
+from kvlab.codec import Codec, CodecError, Lossless, create_codec
+from kvlab.errors import ConfigError
+
+_MAGIC = b"KVPC"
+_HEADER = struct.Struct("<4sQ")
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    """One way of storing a chunk.
+
+    Attributes:
+        name: What users and keys call it.
+        codec: Registered codec name.
+        params: Codec parameters shared by keys and values (`kind` is set per tensor).
+        quality: Higher is closer to the original; the fetcher prefers it when time allows.
+        nominal_ratio: fp32 bytes over stored bytes, a prior until sizes are measured.
+    """
+
+    name: str
+    codec: str
+    params: tuple[tuple[str, Any], ...]
+    quality: int
+    nominal_ratio: float
+
+    @property
+    def lossless(self) -> Lossless:
+        return self.key_codec().lossless
+
+    @property
+    def exact(self) -> bool:
+        """The restored KV has the original bits (output identical to recompute)."""
+        return self.lossless == "bit-exact"
+
+    def describe(self) -> dict[str, Any]:
+        return {"codec": self.codec, **dict(self.params)}
+
+    def key_codec(self) -> Codec:
+        return self._codec("keys")
+
+    def value_codec(self) -> Codec:
+        return self._codec("values")
+
+    def _codec(self, kind: str) -> Codec:
+        params = dict(self.params)
+        if self.codec == "quant_zstd":
+            params["kind"] = kind
+        return create_codec(self.codec, **params)
+
+
+RESOLUTIONS: dict[str, Resolution] = {
+    resolution.name: resolution
+    for resolution in (
+        # The raw fp32 bytes: the "plain transfer" baseline of the prefix-reuse benchmark.
+        Resolution("raw", "raw", (), quality=3, nominal_ratio=1.0),
+        Resolution("exact", "byteplane", (), quality=3, nominal_ratio=1.19),
+        Resolution("int8", "quant_zstd", (("bits", 8),), quality=2, nominal_ratio=3.9),
+        Resolution("int4", "quant_zstd", (("bits", 4),), quality=1, nominal_ratio=7.6),
+    )
+}
+
+
+def get_resolution(name: str) -> Resolution:
+    try:
+        return RESOLUTIONS[name]
+    except KeyError:
+        raise ConfigError(f"unknown resolution {name!r}; choose from: {', '.join(RESOLUTIONS)}") from None
+
+
+def encode_chunk(resolution: Resolution, keys: torch.Tensor, values: torch.Tensor) -> bytes:
+    """Bytes of one chunk: `keys` and `values` `[L, H_kv, t, D]`."""
+    key_frame = resolution.key_codec().encode(keys)
+    value_frame = resolution.value_codec().encode(values)
+    return _HEADER.pack(_MAGIC, len(key_frame)) + key_frame + value_frame
+
+
+def decode_chunk(resolution: Resolution, data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of a chunk `encode_chunk` wrote; `CodecError` for anything else."""
+    if len(data) < _HEADER.size:
+        raise CodecError(f"stored chunk of {len(data)} bytes is shorter than its header")
+    magic, key_length = _HEADER.unpack_from(data)
+    if magic != _MAGIC or key_length > len(data) - _HEADER.size:
+        raise CodecError("stored chunk has a bad header (not a kvlab prefix chunk, or truncated)")
+    view = memoryview(data)
+    keys = resolution.key_codec().decode(view[_HEADER.size : _HEADER.size + key_length])
+    values = resolution.value_codec().decode(view[_HEADER.size + key_length :])
+    if keys.shape != values.shape:
+        raise CodecError(f"stored chunk holds keys {tuple(keys.shape)} but values {tuple(values.shape)}")
+    return keys, values
