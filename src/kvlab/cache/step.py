@@ -20,12 +20,16 @@ class ForwardStep:
         compress: This forward feeds the whole prompt: compressed layers compress it afterwards.
         captured: When a list, each layer's new keys/values ([B, H_kv, q, D], rotary applied) are
             appended to it: the exact KV of the fed tokens, for a draft cache or a prefix store.
+        mask_positions: [B, q] positions that decide causal visibility when they differ from the true
+            ones: a cache that stores only some earlier tokens (compacted, so a key's index is not its
+            position) masks new queries by their index among the stored keys.
     """
 
     cache: KVCache
     query_positions: torch.Tensor
     compress: bool = False
     captured: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    mask_positions: torch.Tensor | None = None
 
     def attend(
         self, layer_idx: int, queries: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor, scaling: float
@@ -34,7 +38,8 @@ class ForwardStep:
             self.captured.append((new_keys, new_values))
         layer = self.cache.layers[layer_idx]
         layer.append(new_keys, new_values)
-        output = layer.attend(queries, self.query_positions, scaling)
+        positions = self.query_positions if self.mask_positions is None else self.mask_positions
+        output = layer.attend(queries, positions, scaling)
         if self.compress:
             layer.compress_prompt(queries, scaling, layer_idx)
         return output

@@ -172,7 +172,7 @@ def _restore_prefix(
     if stats is not None:
         stats.prefix_reused_tokens += fetched.num_tokens
         stats.prefix_fetches.append(fetched.stats)
-    return fetched.num_tokens
+    return fetched.end
 
 
 def _stack(caches: list[KVCache], capacity: int) -> KVCache:

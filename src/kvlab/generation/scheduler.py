@@ -68,10 +68,15 @@ class _Prefetched:
         self.tokens = tokens
         self.fetched = fetched
 
-    def fetch(self, tokens: list[int], resolutions: tuple[str, ...] | None = None) -> FetchedPrefix:
-        if tokens == self.tokens and resolutions is None:
+    def lookup(self, tokens: list[int], resolutions: tuple[str, ...] | None = None) -> list[list[str]]:
+        return self.cache.lookup(tokens, resolutions)
+
+    def fetch(
+        self, tokens: list[int], resolutions: tuple[str, ...] | None = None, chunks: list[int] | None = None
+    ) -> FetchedPrefix:
+        if tokens == self.tokens and resolutions is None and chunks is None:
             return self.fetched
-        return self.cache.fetch(tokens, resolutions)
+        return self.cache.fetch(tokens, resolutions, chunks)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         self.cache.observe_prefill(tokens, seconds)

@@ -60,6 +60,8 @@ class SpecConfig:
         prefix_draft: With a prefix store: fetch the prefix at this low-bit resolution first and draft
             from it while the bit-exact prefix transfers (`kvlab.spec.remote_prefix`); None fetches
             only the exact prefix.
+        prefix_draft_chunks: Low-bit chunks the drafter gets: the first one (attention sinks) and the
+            last ones, so the extra transfer stays small (None: every stored chunk).
     """
 
     drafter: Compressor
@@ -69,6 +71,7 @@ class SpecConfig:
     schedule: Literal["staggered", "synchronous"] = "staggered"
     draft_weights: DraftWeights = "same"
     prefix_draft: str | None = None
+    prefix_draft_chunks: int | None = 4
 
     def __post_init__(self) -> None:
         if self.draft_length != "auto" and (not isinstance(self.draft_length, int) or self.draft_length < 1):
@@ -81,6 +84,8 @@ class SpecConfig:
             raise ConfigError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {self.draft_weights!r}")
         if self.prefix_draft is not None and get_resolution(self.prefix_draft).exact:
             raise ConfigError(f"prefix_draft is the low-bit resolution to draft from, not {self.prefix_draft!r}: use int8 or int4")
+        if self.prefix_draft_chunks is not None and self.prefix_draft_chunks < 1:
+            raise ConfigError(f"prefix_draft_chunks must be at least 1 or None, got {self.prefix_draft_chunks}")
         if self.schedule not in ("staggered", "synchronous"):
             raise ConfigError(f"schedule must be 'staggered' or 'synchronous', got {self.schedule!r}")
 

@@ -1,8 +1,9 @@
 """Remote-prefix lossless decoding: draft from a low-bit prefix while the exact prefix is still arriving.
 
-A prompt whose prefix sits in a store at two resolutions starts like this: the small low-bit copy is
-fetched first and becomes the draft cache's prefix (the drafter compresses it like any prompt); while
-the bit-exact copy transfers in the background, the drafter already drafts the first tokens. When the
+A prompt whose prefix sits in a store at two resolutions starts like this: a small low-bit copy of
+part of the prefix (the first chunk and the last few, `SpecConfig.prefix_draft_chunks`) is fetched
+first and becomes the draft cache's prefix (the drafter compresses it like any prompt); while the
+bit-exact copy transfers in the background, the drafter already drafts the first tokens. When the
 exact prefix has landed, one forward over the rest of the prompt and the drafts, on the full cache,
 verifies them. The verifier only ever reads exact KV, so output is identical to recomputing the whole
 prompt; the drafting hides behind the transfer.
@@ -58,7 +59,9 @@ def remote_prefix_start(
     Returns None when no low-bit chunk could be fetched: the caller then prefills normally.
     """
     assert spec.prefix_draft is not None
-    low = prefix.fetch(prompt, (spec.prefix_draft,))
+    stored = len(prefix.lookup(prompt, (spec.prefix_draft,)))
+    window = stored if spec.prefix_draft_chunks is None else spec.prefix_draft_chunks
+    low = prefix.fetch(prompt, (spec.prefix_draft,), sorted({0, *range(max(0, stored - window + 1), stored)}))
     if low.num_tokens == 0:
         return None
     arrived: dict[str, FetchedPrefix] = {}
@@ -74,8 +77,12 @@ def remote_prefix_start(
     draft = KVCache.allocate(architecture, 1, capacity, dtype, device, spec.drafter)
     low.restore_into(draft, device)
     drafter = draft_model(loaded.model, spec.draft_weights)
-    rest = torch.tensor([prompt[low.num_tokens :]], device=device)
-    logits = forward(drafter, draft, rest, logits_to_keep=1, compress=True)[:, -1]
+    rest = torch.tensor([prompt[low.end :]], device=device)
+    # The draft cache may skip chunks (stored compacted): the rest of the prompt is masked causally by
+    # its index among the stored keys, while rotary phases use the true positions.
+    stored_before = torch.arange(low.num_tokens, low.num_tokens + rest.shape[1], device=device)[None]
+    step = ForwardStep(draft, draft.next_positions(rest.shape[1], device), compress=True, mask_positions=stored_before)
+    logits = run_step(drafter, step, rest, logits_to_keep=1)[:, -1]
     drafts, probs = [], []
     with draft.provisional():
         # Draft until the exact prefix is in (at least one token, at most the longest draft allowed).
@@ -98,9 +105,9 @@ def remote_prefix_start(
     full = KVCache.allocate(architecture, 1, capacity, dtype, device)
     exact.restore_into(full, device)
     draft_ids = torch.stack(drafts, dim=1)  # [1, k]
-    computed = len(prompt) - exact.num_tokens
+    computed = len(prompt) - exact.end
     step = ForwardStep(full, full.next_positions(computed + len(drafts), device), captured=[])
-    verify_ids = torch.cat([torch.tensor([prompt[exact.num_tokens :]], device=device), draft_ids], dim=1)
+    verify_ids = torch.cat([torch.tensor([prompt[exact.end :]], device=device), draft_ids], dim=1)
     # Logits from the last prompt token on: it predicts the first draft.
     target_logits = run_step(loaded.model, step, verify_ids, logits_to_keep=len(drafts) + 1)
     if config.greedy:
@@ -113,12 +120,12 @@ def remote_prefix_start(
     assert step.captured is not None
     draft.append([(k[:, :, computed:], v[:, :, computed:]) for k, v in step.captured], [accepted])
     prefix.observe_prefill(computed + len(drafts), verify_clock.elapsed())
-    prefix.save(prompt, exact.num_tokens, [(k[:, :, :computed], v[:, :, :computed]) for k, v in step.captured])
+    prefix.save(prompt, exact.end, [(k[:, :, :computed], v[:, :, :computed]) for k, v in step.captured])
 
     spec_stats.draft_s += draft_s
     spec_stats.verify_s += verify_clock.elapsed()
     spec_stats.record_round(len(drafts), [accepted])
-    stats.prefix_reused_tokens += exact.num_tokens
+    stats.prefix_reused_tokens += exact.end
     stats.prefix_fetches.extend([low.stats, exact.stats])
     emitted = draft_ids[0, :accepted].tolist() + [int(next_token[0])]
     return RemoteStart(full, draft, emitted, next_token)

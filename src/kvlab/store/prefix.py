@@ -46,7 +46,7 @@ class PrefixConfig:
 
     Attributes:
         chunk_tokens: Tokens per stored chunk (reuse works in whole chunks).
-        write: Resolutions written for every new chunk.
+        write: Resolutions written for every new chunk (empty: only read).
         fetch: Resolutions the fetcher may use. Only bit-exact ones ("exact", "raw") keep output
             identical to recomputation; "int8"/"int4" trade exactness for transfer time.
         allow_recompute: Let the planner recompute chunks when that is faster than fetching them.
@@ -72,8 +72,9 @@ class PrefixConfig:
             raise ConfigError("fetch needs at least one resolution")
         for name in (*self.write, *self.fetch):
             get_resolution(name)
-        if not set(self.fetch) <= set(self.write):
-            # A resolution nobody writes can never be fetched: almost certainly a mistake.
+        if self.write and not set(self.fetch) <= set(self.write):
+            # A writer that fetches what it never writes is almost certainly a mistake (a reader that
+            # writes nothing, `write=()`, fetches what others wrote).
             missing = ", ".join(sorted(set(self.fetch) - set(self.write)))
             raise ConfigError(f"fetch resolutions {missing} are never written; add them to write")
 
@@ -111,18 +112,32 @@ class FetchStats:
 
 @dataclasses.dataclass(slots=True)
 class FetchedPrefix:
-    """Restored KV of a prompt's leading chunks: per chunk, keys and values `[L, H_kv, t, D]`."""
+    """Restored KV of some of a prompt's chunks: per chunk, its first token and keys and values
+    `[L, H_kv, t, D]`. A plain fetch restores leading chunks without gaps."""
 
     chunks: list[tuple[torch.Tensor, torch.Tensor]]
     stats: FetchStats
+    starts: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
+        """Tokens restored."""
         return sum(keys.shape[2] for keys, _ in self.chunks)
 
+    @property
+    def end(self) -> int:
+        """Token index after the last restored chunk: where computing the prompt resumes."""
+        return self.starts[-1] + self.chunks[-1][0].shape[2] if self.chunks else 0
+
     def restore_into(self, cache: KVCache, device: torch.device | str) -> None:
-        """Append every chunk, in order, to row 0 of a single-row `cache` whose tensors live on `device`."""
-        for keys, values in self.chunks:
+        """Append every chunk, in order, to row 0 of a single-row `cache` whose tensors live on `device`.
+
+        Chunks after a gap are stored right after the previous ones (compacted) while the cache's
+        sequence length jumps over the gap, so later tokens get their true positions.
+        """
+        for start, (keys, values) in zip(self.starts, self.chunks):
+            if start > cache.seq_lengths[0]:
+                cache.advance(start - cache.seq_lengths[0])
             layer_kv = [(keys[layer][None].to(device), values[layer][None].to(device)) for layer in range(keys.shape[0])]
             cache.append(layer_kv, [keys.shape[2]])
 
@@ -130,7 +145,11 @@ class FetchedPrefix:
 class PrefixSource(Protocol):
     """What prefill needs from a prefix store (`PrefixCache`, or a scheduler's prefetched results)."""
 
-    def fetch(self, tokens: list[int], resolutions: tuple[str, ...] | None = None) -> FetchedPrefix: ...
+    def lookup(self, tokens: list[int], resolutions: tuple[str, ...] | None = None) -> list[list[str]]: ...
+
+    def fetch(
+        self, tokens: list[int], resolutions: tuple[str, ...] | None = None, chunks: list[int] | None = None
+    ) -> FetchedPrefix: ...
 
     def observe_prefill(self, tokens: int, seconds: float) -> None: ...
 
@@ -225,12 +244,16 @@ class PrefixCache:
 
     # ----- fetch
 
-    def fetch(self, tokens: list[int], resolutions: tuple[str, ...] | None = None) -> FetchedPrefix:
+    def fetch(
+        self, tokens: list[int], resolutions: tuple[str, ...] | None = None, chunks: list[int] | None = None
+    ) -> FetchedPrefix:
         """Restore as many leading chunks of `tokens` as is worth it (see the module docstring).
 
         Args:
             tokens: The prompt.
             resolutions: Resolutions to choose from (default: the configured `fetch`).
+            chunks: Fetch exactly these chunk indices (those stored; never recomputed) instead of
+                the leading run the planner picks, e.g. a drafter's window of the prefix.
 
         Never raises for store or data faults: they end the fetch early and are logged.
         """
@@ -243,17 +266,18 @@ class PrefixCache:
         try:
             available = self.lookup(tokens, resolutions)
         except Exception as error:  # noqa: BLE001 - any store fault means: recompute
-            self._fail(stats, error, 0, 0)
+            self._fail(stats, error, 0, None)
             return fetched
         stats.stored_tokens = len(available) * self.config.chunk_tokens
-        if available:
-            self._pipeline(tokens, available, fetched)
+        indices = list(range(len(available))) if chunks is None else sorted(i for i in set(chunks) if 0 <= i < len(available))
+        if indices:
+            self._pipeline(tokens, available, indices, chunks is None, fetched)
         stats.fetched_tokens = fetched.num_tokens
         stats.fetch_s = time.perf_counter() - started
         return fetched
 
-    def _plan(self, first: int, available: list[list[str]]) -> list[str]:
-        """Resolutions for chunks `first`.. of `available`, from the current estimates."""
+    def _plan(self, available: list[list[str]], allow_recompute: bool) -> list[str]:
+        """Resolutions for the chunks whose stored resolutions `available` lists, from the current estimates."""
         chunk_bytes = self.raw_bytes_per_token * self.config.chunk_tokens
         with self.estimates.lock:
             bandwidth = self.estimates.bandwidth
@@ -267,7 +291,7 @@ class PrefixCache:
                     )
                     for name in here
                 ]
-                for here in available[first:]
+                for here in available
             ]
             # Recomputing chunk i attends over everything before it; prefill speed is measured on whole
             # prompts, so per-chunk cost is its token count at that speed.
@@ -277,21 +301,24 @@ class PrefixCache:
             recompute,
             bandwidth,
             quality_slack=self.config.quality_slack,
-            allow_recompute=self.config.allow_recompute,
+            allow_recompute=allow_recompute and self.config.allow_recompute,
         )
 
-    def _pipeline(self, tokens: list[int], available: list[list[str]], fetched: FetchedPrefix) -> None:
-        """Transfer in a thread, decode here; stop at the planner's cut or the first fault."""
+    def _pipeline(
+        self, tokens: list[int], available: list[list[str]], indices: list[int], plan_cut: bool, fetched: FetchedPrefix
+    ) -> None:
+        """Transfer chunks `indices` in a thread, decode here; stop at the planner's cut (when
+        `plan_cut`) or the first fault."""
         keys = {name: self.keys(tokens, name) for name in {name for here in available for name in here}}
         arrivals: queue.Queue[tuple[int, str, bytes | None, float] | BaseException | None] = queue.Queue(maxsize=2)
         stop = threading.Event()
 
         def transfer() -> None:
             try:
-                for index in range(len(available)):
+                for position, index in enumerate(indices):
                     if stop.is_set():
                         break
-                    name = self._plan(index, available)[0]
+                    name = self._plan([available[i] for i in indices[position:]], plan_cut)[0]
                     if name == RECOMPUTE:
                         break
                     clock = time.perf_counter()
@@ -310,7 +337,7 @@ class PrefixCache:
         try:
             while (item := arrivals.get()) is not None:
                 if isinstance(item, BaseException):
-                    self._fail(stats, item, len(fetched.chunks), len(available))
+                    self._fail(stats, item, indices[len(fetched.chunks)], len(available))
                     break
                 index, name, data, seconds = item
                 stats.transfer_s += seconds
@@ -330,6 +357,7 @@ class PrefixCache:
                 raw = keys_tensor.numel() * 8  # keys + values at 4 bytes
                 self.estimates.observe_decode(name, raw, len(data), decode_s)
                 fetched.chunks.append((keys_tensor, values_tensor))
+                fetched.starts.append(index * self.config.chunk_tokens)
         finally:
             stop.set()
             # Unblock the transfer thread if it waits on a full queue, then let it finish.
@@ -347,16 +375,23 @@ class PrefixCache:
             raise CodecError(f"stored chunk has shape {tuple(keys.shape)}, expected [L, H, {expected_tokens}, D]")
         return keys, values
 
-    def _fail(self, stats: FetchStats, error: BaseException, index: int, total: int) -> None:
+    def _fail(self, stats: FetchStats, error: BaseException, index: int, total: int | None) -> None:
+        """Record and log (once per fetch) why the fetch ends at chunk `index` (`total`: None at lookup)."""
         stats.failure = f"{type(error).__name__}: {error}"
+        retry = ""
         if isinstance(error, StoreUnavailableError):
             self._down_until = time.perf_counter() + self.config.retry_after_s
+            retry = f"; not trying the store again for {self.config.retry_after_s:g} s"
+        if total is None:
+            logger.warning("prefix lookup failed (%s); computing the whole prompt%s", stats.failure, retry)
+            return
         logger.warning(
-            "prefix fetch stopped at chunk %d of %d (%s); recomputing from token %d",
+            "prefix fetch stopped at chunk %d of %d (%s); recomputing from token %d%s",
             index,
             total,
             stats.failure,
             index * self.config.chunk_tokens,
+            retry,
         )
 
     # ----- measurements from the engine

@@ -270,20 +270,26 @@ def test_redis_killed_mid_fetch_is_recomputed(
 # ----- remote-prefix lossless mode
 
 
-@pytest.mark.parametrize("drafter", ["snapkv", "streamingllm", "kivi"])
-def test_drafting_from_a_low_bit_prefix_is_identical(model: LoadedModel, drafter: str) -> None:
+@pytest.mark.parametrize(
+    ("drafter", "window", "low_chunks"),
+    [("snapkv", None, 4), ("streamingllm", 2, 2), ("kivi", 1, 1), ("snapkv", 3, 3)],
+)
+def test_drafting_from_a_low_bit_prefix_is_identical(
+    model: LoadedModel, drafter: str, window: int | None, low_chunks: int
+) -> None:
     config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
     prompts = [PROMPT, PROMPT[:40] + OTHER_SUFFIX, OTHER_SUFFIX * 3]  # the last one is never stored
     expected = [r.token_ids for r in generate(model, prompts, config).requests]
     prefix = make_cache(model, write=("exact", "int4"))
     generate(model, prompts[:2], config, prefix=prefix)
     prefix.flush()
-    spec = SpecConfig(create_compressor(drafter), draft_length=4, prefix_draft="int4")
+    spec = SpecConfig(create_compressor(drafter), draft_length=4, prefix_draft="int4", prefix_draft_chunks=window)
     output = generate_lossless(model, prompts, config, spec, prefix=prefix)
     assert [r.token_ids for r in output.requests] == expected
     assert output.stats.prefix_reused_tokens == 4 * CHUNK + 2 * CHUNK
     low, exact = output.stats.prefix_fetches[:2]
-    assert low.resolutions == {"int4": 4} and exact.resolutions == {"exact": 4}
+    # The first chunk and the last (window - 1) ones: a gap in the middle when the window is short.
+    assert low.resolutions == {"int4": low_chunks} and exact.resolutions == {"exact": 4}
 
 
 def test_drafting_from_a_low_bit_prefix_whose_exact_copy_is_gone_is_identical(model: LoadedModel) -> None:
@@ -307,3 +313,27 @@ def test_prefix_draft_must_be_low_bit_and_needs_a_store(model: LoadedModel) -> N
     spec = SpecConfig(create_compressor("snapkv"), prefix_draft="int4")
     with pytest.raises(ConfigError, match="prefix store"):
         generate_lossless(model, [PROMPT], GenerationConfig(max_new_tokens=2), spec)
+
+
+def test_a_prefix_restored_with_gaps_keeps_the_rest_causal(model: LoadedModel) -> None:
+    """Chunks 0 and 3 only: the tokens after them must still not see their own future."""
+    from kvlab.cache import ForwardStep, KVCache, run_step
+
+    prefix = make_cache(model)
+    restored(model, PROMPT, prefix)
+    prefix.flush()
+
+    def suffix_logits(suffix: list[int]) -> torch.Tensor:
+        fetched = prefix.fetch(PROMPT, chunks=[0, 3])
+        assert fetched.starts == [0, 3 * CHUNK] and fetched.end == 4 * CHUNK
+        cache = KVCache.allocate(model.architecture, 1, 128, model.dtype, model.device)
+        fetched.restore_into(cache, model.device)
+        assert cache.seq_lengths == [4 * CHUNK]
+        stored = torch.arange(2 * CHUNK, 2 * CHUNK + len(suffix))[None]
+        step = ForwardStep(cache, cache.next_positions(len(suffix), model.device), mask_positions=stored)
+        return run_step(model.model, step, torch.tensor([suffix]))
+
+    first = suffix_logits([5, 9, 4, 33, 17])
+    changed_last = suffix_logits([5, 9, 4, 33, 60])
+    assert torch.equal(first[:, :-1], changed_last[:, :-1])
+    assert not torch.equal(first[:, -1], changed_last[:, -1])

@@ -1,0 +1,195 @@
+"""Prefix reuse over emulated links: time to first token of recompute vs fetching, measured in one run.
+
+Usage: .venv/bin/python benchmarks/prefix_reuse.py [--prefix-tokens 8000] [--links 0.1 1 10]
+           [--new-tokens 16] [--chunk-tokens 256] [--scheduler-link 0.1] [--json]
+
+A first request (shared prefix + suffix A) computes the prefix and stores its chunks at every
+resolution in a memory store; a second request (same prefix + suffix B) then reuses them through a
+token-bucket link of each bandwidth. Rows per link:
+  raw fetch         the fp32 bytes, no codec (the plain-transfer baseline)
+  exact             bit-exact byte-plane codec (output identical)
+  int8 / int4       code-lossless quantized codes (output may differ)
+  adaptive          per chunk exact / int8 / int4 / recompute, planned from measured bandwidth
+  adaptive-exact    exact or recompute only (output identical)
+  lossless int4     lossless decoding drafting from the int4 prefix while the exact one arrives
+TTFT ratios are against recomputing the whole prompt and against the raw fetch on the same link;
+"identical" compares the first `--new-tokens` greedy tokens with recompute. `time to N` is the time
+until all N tokens are out (where drafting during the transfer shows).
+
+The scheduler part serves one reuse request over a slow link plus short requests that need no fetch,
+arriving just after it, with and without the fetch-aware scheduler: mean TTFT of the short ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from kvlab.compress import create_compressor
+from kvlab.data import document_token_ids
+from kvlab.generation import GenerationConfig, GenerationOutput, generate
+from kvlab.generation.scheduler import FetchAwareScheduler, Request
+from kvlab.models import LoadedModel, load_model
+from kvlab.spec import SpecConfig, generate_lossless
+from kvlab.store import KVStore, create_store
+from kvlab.store.link import ThrottledStore
+from kvlab.store.prefix import PrefixCache, PrefixConfig
+from kvlab.store.resolution import RESOLUTIONS
+
+# (label, fetch resolutions, allow recompute, lossless drafting resolution)
+MODES: list[tuple[str, tuple[str, ...], bool, str | None]] = [
+    ("raw fetch", ("raw",), False, None),
+    ("exact", ("exact",), False, None),
+    ("int8", ("int8",), False, None),
+    ("int4", ("int4",), False, None),
+    ("adaptive", ("exact", "int8", "int4"), True, None),
+    ("adaptive-exact", ("exact",), True, None),
+    ("lossless int4", ("exact", "int4"), False, "int4"),
+]
+
+
+def reader(loaded: LoadedModel, store: KVStore, chunk_tokens: int, fetch: tuple[str, ...], recompute: bool,
+           prefill_tokens_per_s: float) -> PrefixCache:
+    """A read-only prefix cache that knows this machine's prefill speed (as a serving process would)."""
+    config = PrefixConfig(
+        chunk_tokens=chunk_tokens,
+        write=(),
+        fetch=fetch,
+        allow_recompute=recompute,
+        prior_prefill_tokens_per_s=prefill_tokens_per_s,
+    )
+    return PrefixCache.for_model(loaded, store, config)
+
+
+def run_mode(loaded: LoadedModel, prompt: list[int], prefix: PrefixCache, new_tokens: int,
+             lossless_from: str | None) -> GenerationOutput:
+    config = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
+    if lossless_from is None:
+        return generate(loaded, [prompt], config, prefix=prefix)
+    spec = SpecConfig(create_compressor("snapkv", compression_ratio=0.9), "auto", prefix_draft=lossless_from)
+    return generate_lossless(loaded, [prompt], config, spec, prefix=prefix)
+
+
+def total_s(output: GenerationOutput) -> float:
+    return output.stats.ttft_s + output.stats.decode_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prefix-tokens", type=int, default=8000)
+    parser.add_argument("--suffix-tokens", type=int, default=48)
+    parser.add_argument("--links", type=float, nargs="+", default=[0.1, 1.0, 10.0], help="Gbit/s")
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument("--modes", nargs="*", help="labels to run (default: all)")
+    parser.add_argument("--scheduler-link", type=float, default=0.1, help="Gbit/s of the scheduler experiment (0: skip)")
+    parser.add_argument("--short-requests", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    loaded = load_model()
+    document = document_token_ids(loaded.tokenizer, args.prefix_tokens + 2 * args.suffix_tokens)
+    shared = document[: args.prefix_tokens]
+    prompt_a = shared + document[args.prefix_tokens : args.prefix_tokens + args.suffix_tokens]
+    prompt_b = shared + document[args.prefix_tokens + args.suffix_tokens :]
+    config = GenerationConfig(max_new_tokens=args.new_tokens, ignore_eos=True)
+    generate(loaded, [document[:64]], GenerationConfig(max_new_tokens=2))  # warm-up
+
+    recompute = generate(loaded, [prompt_b], config)
+    reference = recompute.requests[0].token_ids
+    prefill_speed = len(prompt_b) / recompute.stats.ttft_s
+
+    memory = create_store("memory://")
+    writer = PrefixCache.for_model(loaded, memory, PrefixConfig(args.chunk_tokens, write=tuple(RESOLUTIONS), fetch=("exact",)))
+    generate(loaded, [prompt_a], GenerationConfig(max_new_tokens=1), prefix=writer)
+    writer.close()
+    stored_bytes = {name: 0 for name in RESOLUTIONS}
+    for name in RESOLUTIONS:
+        for key in writer.keys(prompt_a, name):
+            stored_bytes[name] += memory.nbytes(key) or 0
+
+    rows = [{"link_gbit": None, "mode": "recompute", "ttft_s": recompute.stats.ttft_s, "total_s": total_s(recompute),
+             "identical": True, "fetched_bytes": 0, "resolutions": {}}]
+    for gbit in args.links:
+        link = ThrottledStore(memory, bits_per_s=gbit * 1e9)
+        for label, fetch, allow_recompute, lossless_from in MODES:
+            if args.modes and label not in args.modes:
+                continue
+            prefix = reader(loaded, link, args.chunk_tokens, fetch, allow_recompute, prefill_speed)
+            output = run_mode(loaded, prompt_b, prefix, args.new_tokens, lossless_from)
+            resolutions: dict[str, int] = {}
+            for fetch_stats in output.stats.prefix_fetches:
+                for name, count in fetch_stats.resolutions.items():
+                    resolutions[name] = resolutions.get(name, 0) + count
+            rows.append({
+                "link_gbit": gbit,
+                "mode": label,
+                "ttft_s": output.stats.ttft_s,
+                "total_s": total_s(output),
+                "identical": output.requests[0].token_ids == reference,
+                "fetched_bytes": sum(f.nbytes for f in output.stats.prefix_fetches),
+                "resolutions": resolutions,
+                "acceptance_length": output.spec.acceptance_length if output.spec else None,
+            })
+
+    scheduler_rows = []
+    if args.scheduler_link > 0:
+        link = ThrottledStore(memory, bits_per_s=args.scheduler_link * 1e9)
+        shorts = [document[512 * (i + 1) : 512 * (i + 2)] for i in range(args.short_requests)]
+        requests = [Request(prompt_b, config, 0.0)] + [Request(p, config, 0.2 * (i + 1)) for i, p in enumerate(shorts)]
+        for fetch_aware in (False, True):
+            prefix = reader(loaded, link, args.chunk_tokens, ("exact",), False, prefill_speed)
+            completions = FetchAwareScheduler(loaded, prefix, fetch_aware=fetch_aware).run(requests)
+            short_ttft = [c.ttft_s for c in completions[1:]]
+            scheduler_rows.append({
+                "fetch_aware": fetch_aware,
+                "short_mean_ttft_s": sum(short_ttft) / len(short_ttft),
+                "reuse_ttft_s": completions[0].ttft_s,
+                "identical": all(
+                    c.output.requests[0].token_ids == generate(loaded, [r.prompt], config).requests[0].token_ids
+                    for c, r in zip(completions[1:], requests[1:])
+                ) and completions[0].output.requests[0].token_ids == reference,
+            })
+
+    meta = {
+        "prefix_tokens": len(shared), "prompt_tokens": len(prompt_b), "chunk_tokens": args.chunk_tokens,
+        "threads": torch.get_num_threads(), "load_avg": os.getloadavg()[0], "stored_bytes": stored_bytes,
+    }
+    if args.json:
+        print(json.dumps({"meta": meta, "rows": rows, "scheduler": scheduler_rows}, indent=2))
+        return
+    print(
+        f"embedded SmolLM2-135M, fp32, shared prefix {len(shared)} tokens, prompt {len(prompt_b)}, chunks of "
+        f"{args.chunk_tokens}, {torch.get_num_threads()} threads, load avg {meta['load_avg']:.2f}"
+    )
+    sizes = ", ".join(f"{name} {size / 2**20:.0f} MiB" for name, size in stored_bytes.items())
+    print(f"stored prefix: {sizes}")
+    print(f"| link | mode | TTFT s | vs recompute | vs raw fetch | time to {args.new_tokens} tokens s | fetched MiB | chunks | identical |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    raw_ttft = {row["link_gbit"]: row["ttft_s"] for row in rows if row["mode"] == "raw fetch"}
+    for row in rows:
+        link_label = "-" if row["link_gbit"] is None else f"{row['link_gbit']:g} Gbit/s"
+        raw = raw_ttft.get(row["link_gbit"])
+        vs_raw = f"{row['ttft_s'] / raw:.2f}x" if raw else "-"
+        chunks = " ".join(f"{name}:{count}" for name, count in sorted(row["resolutions"].items())) or "-"
+        print(
+            f"| {link_label} | {row['mode']} | {row['ttft_s']:.2f} | {row['ttft_s'] / recompute.stats.ttft_s:.2f}x | "
+            f"{vs_raw} | {row['total_s']:.2f} | {row['fetched_bytes'] / 2**20:.0f} | {chunks} | "
+            f"{'yes' if row['identical'] else 'NO'} |"
+        )
+    if scheduler_rows:
+        print(f"\nscheduler: 1 reuse request over {args.scheduler_link:g} Gbit/s + {args.short_requests} short requests")
+        print("| scheduler | mean TTFT of short requests s | TTFT of the reuse request s | identical |")
+        print("|---|---|---|---|")
+        for row in scheduler_rows:
+            print(
+                f"| {'fetch-aware' if row['fetch_aware'] else 'arrival order'} | {row['short_mean_ttft_s']:.2f} | "
+                f"{row['reuse_ttft_s']:.2f} | {'yes' if row['identical'] else 'NO'} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
