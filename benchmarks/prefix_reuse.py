@@ -9,8 +9,8 @@ token-bucket link of each bandwidth. Rows per link:
   raw fetch         the fp32 bytes, no codec (the plain-transfer baseline)
   exact             bit-exact byte-plane codec (output identical)
   int8 / int4       code-lossless quantized codes (output may differ)
-  adaptive          per chunk exact / int8 / int4 / recompute, planned from measured bandwidth
-  adaptive-exact    exact or recompute only (output identical)
+  adaptive          per chunk raw / exact / int8 / int4 / recompute, planned from measured bandwidth
+  adaptive-exact    raw, exact or recompute only (output identical)
   lossless int4     lossless decoding drafting from the int4 prefix while the exact one arrives
 TTFT ratios are against recomputing the whole prompt and against the raw fetch on the same link;
 "identical" compares the first `--new-tokens` greedy tokens with recompute. `time to N` is the time
@@ -45,8 +45,8 @@ MODES: list[tuple[str, tuple[str, ...], bool, str | None]] = [
     ("exact", ("exact",), False, None),
     ("int8", ("int8",), False, None),
     ("int4", ("int4",), False, None),
-    ("adaptive", ("exact", "int8", "int4"), True, None),
-    ("adaptive-exact", ("exact",), True, None),
+    ("adaptive", ("raw", "exact", "int8", "int4"), True, None),
+    ("adaptive-exact", ("raw", "exact"), True, None),
     ("lossless int4", ("exact", "int4"), False, "int4"),
 ]
 
@@ -69,7 +69,8 @@ def run_mode(loaded: LoadedModel, prompt: list[int], prefix: PrefixCache, new_to
     config = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
     if lossless_from is None:
         return generate(loaded, [prompt], config, prefix=prefix)
-    spec = SpecConfig(create_compressor("snapkv", compression_ratio=0.9), "auto", prefix_draft=lossless_from)
+    # The drafter sees only a window of the prefix (first + last chunks), so it keeps half of it.
+    spec = SpecConfig(create_compressor("snapkv", compression_ratio=0.5), "auto", prefix_draft=lossless_from)
     return generate_lossless(loaded, [prompt], config, spec, prefix=prefix)
 
 

@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
@@ -39,6 +40,9 @@ logger = logging.getLogger("kvlab.store")
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer, ([1, H_kv, T, D] keys, values), as a forward computes them."""
 
+_Arrival = tuple[int, str, "Future[tuple[torch.Tensor, torch.Tensor, float]] | None", int, float]
+"""A transferred chunk: index, resolution, its decoding (None: the store had nothing), bytes, seconds."""
+
 
 @dataclasses.dataclass(frozen=True)
 class PrefixConfig:
@@ -54,6 +58,7 @@ class PrefixConfig:
         prior_bandwidth_bits: Link throughput assumed before the first transfer is measured.
         prior_prefill_tokens_per_s: Recompute speed assumed before a prefill is measured.
         retry_after_s: After the store is found unreachable, skip it for this long.
+        decode_workers: Chunks decoded at once (codecs release the GIL in zstd, numpy and torch).
     """
 
     chunk_tokens: int = 256
@@ -64,10 +69,13 @@ class PrefixConfig:
     prior_bandwidth_bits: float = 1e9
     prior_prefill_tokens_per_s: float = 500.0
     retry_after_s: float = 30.0
+    decode_workers: int = 2
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
             raise ConfigError(f"chunk_tokens must be at least 1, got {self.chunk_tokens}")
+        if self.decode_workers < 1:
+            raise ConfigError(f"decode_workers must be at least 1, got {self.decode_workers}")
         if not self.fetch:
             raise ConfigError("fetch needs at least one resolution")
         for name in (*self.write, *self.fetch):
@@ -287,7 +295,7 @@ class PrefixCache:
                         name,
                         RESOLUTIONS[name].quality,
                         chunk_bytes / self.estimates.ratio[name],
-                        chunk_bytes * self.estimates.decode_s_per_byte[name],
+                        chunk_bytes * self.estimates.decode_s_per_byte[name] / self.config.decode_workers,
                     )
                     for name in here
                 ]
@@ -307,11 +315,12 @@ class PrefixCache:
     def _pipeline(
         self, tokens: list[int], available: list[list[str]], indices: list[int], plan_cut: bool, fetched: FetchedPrefix
     ) -> None:
-        """Transfer chunks `indices` in a thread, decode here; stop at the planner's cut (when
-        `plan_cut`) or the first fault."""
+        """Transfer chunks `indices` in a thread and decode them on `decode_workers` threads; restore in
+        order here; stop at the planner's cut (when `plan_cut`) or the first fault."""
         keys = {name: self.keys(tokens, name) for name in {name for here in available for name in here}}
-        arrivals: queue.Queue[tuple[int, str, bytes | None, float] | BaseException | None] = queue.Queue(maxsize=2)
+        arrivals: queue.Queue[_Arrival | BaseException | None] = queue.Queue(maxsize=self.config.decode_workers + 1)
         stop = threading.Event()
+        decoders = ThreadPoolExecutor(self.config.decode_workers, thread_name_prefix="kvlab-prefix-decode")
 
         def transfer() -> None:
             try:
@@ -325,8 +334,9 @@ class PrefixCache:
                     data = self.store.get(keys[name][index])
                     seconds = time.perf_counter() - clock
                     self.estimates.observe_transfer(len(data or b""), seconds)
-                    arrivals.put((index, name, data, seconds))
-            except BaseException as error:  # noqa: BLE001 - handed to the decoding side
+                    decoding = None if data is None else decoders.submit(self._decode, RESOLUTIONS[name], data)
+                    arrivals.put((index, name, decoding, len(data or b""), seconds))
+            except BaseException as error:  # noqa: BLE001 - handed to the restoring side
                 arrivals.put(error)
             finally:
                 arrivals.put(None)
@@ -339,23 +349,21 @@ class PrefixCache:
                 if isinstance(item, BaseException):
                     self._fail(stats, item, indices[len(fetched.chunks)], len(available))
                     break
-                index, name, data, seconds = item
+                index, name, decoding, nbytes, seconds = item
                 stats.transfer_s += seconds
-                if data is None:
+                if decoding is None:
                     self._fail(stats, KeyError(f"chunk {index} ({name}) vanished from the store"), index, len(available))
                     break
-                clock = time.perf_counter()
                 try:
-                    keys_tensor, values_tensor = self._decode(RESOLUTIONS[name], data)
+                    keys_tensor, values_tensor, decode_s = decoding.result()
                 except CodecError as error:
                     self._fail(stats, error, index, len(available))
                     break
-                decode_s = time.perf_counter() - clock
                 stats.decode_s += decode_s
-                stats.nbytes += len(data)
+                stats.nbytes += nbytes
                 stats.resolutions[name] = stats.resolutions.get(name, 0) + 1
                 raw = keys_tensor.numel() * 8  # keys + values at 4 bytes
-                self.estimates.observe_decode(name, raw, len(data), decode_s)
+                self.estimates.observe_decode(name, raw, nbytes, decode_s)
                 fetched.chunks.append((keys_tensor, values_tensor))
                 fetched.starts.append(index * self.config.chunk_tokens)
         finally:
@@ -367,13 +375,16 @@ class PrefixCache:
                 except queue.Empty:
                     pass
             thread.join()
+            decoders.shutdown(wait=True, cancel_futures=True)
 
-    def _decode(self, resolution: Resolution, data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, resolution: Resolution, data: bytes) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Keys, values and the seconds decoding took."""
+        clock = time.perf_counter()
         keys, values = decode_chunk(resolution, data)
         expected_tokens = self.config.chunk_tokens
         if keys.dim() != 4 or keys.shape[2] != expected_tokens:
             raise CodecError(f"stored chunk has shape {tuple(keys.shape)}, expected [L, H, {expected_tokens}, D]")
-        return keys, values
+        return keys, values, time.perf_counter() - clock
 
     def _fail(self, stats: FetchStats, error: BaseException, index: int, total: int | None) -> None:
         """Record and log (once per fetch) why the fetch ends at chunk `index` (`total`: None at lookup)."""
