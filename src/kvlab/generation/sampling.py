@@ -44,7 +44,15 @@ def select_next_tokens(
     Returns:
         [B] int64 token ids.
     """
+    return draw_tokens(logits, config, generator)[0]
+
+
+def draw_tokens(
+    logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`select_next_tokens`, also returning the [B, V] distribution sampled from (None when greedy),
+    which a speculative drafter hands to rejection sampling."""
     if config.greedy:
-        return logits.argmax(dim=-1)
+        return logits.argmax(dim=-1), None
     probs = token_probabilities(logits, config.temperature, config.top_p)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1), probs

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from kvlab.generation.config import GenerationConfig
+from kvlab.generation.sampling import token_probabilities
+
 
 def greedy_accept(draft_token_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept drafted tokens while they equal the target's argmax.
@@ -71,3 +74,19 @@ def rejection_sample(
         final = torch.where(all_accepted, bonus, safe_residual)
     next_token_ids = torch.multinomial(final / final.sum(dim=-1, keepdim=True), 1, generator=generator).squeeze(1)
     return num_accepted, next_token_ids
+
+
+def accept_drafts(
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    config: GenerationConfig,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule `config` calls for: `greedy_accept`, or `rejection_sample` on the target's warped
+    distribution (`draft_probs` [B, k, V] must then be given)."""
+    if config.greedy:
+        return greedy_accept(draft_token_ids, target_logits)
+    assert draft_probs is not None, "sampling needs the draft distributions"
+    target_probs = token_probabilities(target_logits, config.temperature, config.top_p)
+    return rejection_sample(draft_token_ids, draft_probs, target_probs, generator)

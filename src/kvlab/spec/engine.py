@@ -31,11 +31,11 @@ from kvlab.generation.engine import (
     prefill,
 )
 from kvlab.generation.rows import BatchRows
-from kvlab.generation.sampling import select_next_tokens, token_probabilities
+from kvlab.generation.sampling import draw_tokens, select_next_tokens
 from kvlab.generation.stopping import StopChecker
 from kvlab.models import LoadedModel
 from kvlab.models.draft_weights import DRAFT_WEIGHTS, DraftWeights, draft_model
-from kvlab.spec.acceptance import greedy_accept, rejection_sample
+from kvlab.spec.acceptance import accept_drafts
 from kvlab.spec.draft_length import DraftLengthController
 from kvlab.spec.remote_prefix import RemoteStart, remote_prefix_start
 from kvlab.spec.stats import SpecStats
@@ -236,12 +236,7 @@ def _draft_and_verify(
     verify_ids = torch.cat([last_tokens[:, None], draft_token_ids], dim=1)
     step = ForwardStep(full, full.next_positions(num_draft + 1, loaded.device), captured=[])
     target_logits = run_step(loaded.model, step, verify_ids)
-    if config.greedy:
-        num_accepted, next_token_ids = greedy_accept(draft_token_ids, target_logits)
-    else:
-        assert draft_probs is not None
-        target_probs = token_probabilities(target_logits, config.temperature, config.top_p)
-        num_accepted, next_token_ids = rejection_sample(draft_token_ids, draft_probs, target_probs, generator)
+    num_accepted, next_token_ids = accept_drafts(draft_token_ids, draft_probs, target_logits, config, generator)
     accepted = num_accepted.tolist()
     # The full cache keeps last token + accepted drafts; the draft cache drops everything it drafted and
     # takes the exact KV of the same tokens from the verify pass instead.
@@ -275,12 +270,10 @@ def _draft(
     with draft.provisional():
         for _ in range(num_draft):
             logits = forward(model, draft, current[:, None], logits_to_keep=1)[:, -1]
-            if not config.greedy:
-                probs.append(token_probabilities(logits, config.temperature, config.top_p))
-            current = select_next_tokens(logits, config, generator) if config.greedy else torch.multinomial(
-                probs[-1], 1, generator=generator
-            ).squeeze(1)
+            current, distribution = draw_tokens(logits, config, generator)
             tokens.append(current)
+            if distribution is not None:
+                probs.append(distribution)
     batch = last_tokens.shape[0]
     draft_token_ids = torch.stack(tokens, dim=1) if tokens else last_tokens.new_empty(batch, 0)
     if config.greedy:

@@ -20,10 +20,10 @@ import torch
 from kvlab.cache import ForwardStep, KVCache, forward, run_step
 from kvlab.generation.config import GenerationConfig
 from kvlab.generation.engine import GenerationStats
-from kvlab.generation.sampling import select_next_tokens, token_probabilities
+from kvlab.generation.sampling import draw_tokens
 from kvlab.models import LoadedModel
 from kvlab.models.draft_weights import draft_model
-from kvlab.spec.acceptance import greedy_accept, rejection_sample
+from kvlab.spec.acceptance import accept_drafts
 from kvlab.spec.stats import SpecStats
 from kvlab.store.prefix import FetchedPrefix, PrefixSource
 from kvlab.store.resolution import RESOLUTIONS
@@ -87,12 +87,10 @@ def remote_prefix_start(
     with draft.provisional():
         # Draft until the exact prefix is in (at least one token, at most the longest draft allowed).
         while True:
-            if not config.greedy:
-                probs.append(token_probabilities(logits, config.temperature, config.top_p))
-                token = torch.multinomial(probs[-1], 1, generator=generator).squeeze(1)
-            else:
-                token = select_next_tokens(logits, config, generator)
+            token, distribution = draw_tokens(logits, config, generator)
             drafts.append(token)
+            if distribution is not None:
+                probs.append(distribution)
             if len(drafts) >= spec.max_draft_length or not transfer.is_alive():
                 break
             logits = forward(drafter, draft, token[:, None], logits_to_keep=1)[:, -1]
@@ -110,11 +108,8 @@ def remote_prefix_start(
     verify_ids = torch.cat([torch.tensor([prompt[exact.end :]], device=device), draft_ids], dim=1)
     # Logits from the last prompt token on: it predicts the first draft.
     target_logits = run_step(loaded.model, step, verify_ids, logits_to_keep=len(drafts) + 1)
-    if config.greedy:
-        num_accepted, next_token = greedy_accept(draft_ids, target_logits)
-    else:
-        target_probs = token_probabilities(target_logits, config.temperature, config.top_p)
-        num_accepted, next_token = rejection_sample(draft_ids, torch.stack(probs, dim=1), target_probs, generator)
+    draft_probs = torch.stack(probs, dim=1) if probs else None
+    num_accepted, next_token = accept_drafts(draft_ids, draft_probs, target_logits, config, generator)
     accepted = int(num_accepted[0])
     full.drop_last(len(drafts) - accepted)
     assert step.captured is not None
