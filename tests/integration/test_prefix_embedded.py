@@ -91,3 +91,21 @@ def test_cli_rejects_prefix_options_without_a_store(capsys: pytest.CaptureFixtur
     assert "--prefix-store" in capsys.readouterr().err
     assert main(["generate", "--prompt", "x", "--prefix-store", "ftp://host/x"]) == 2
     assert main(["generate", "--prompt", "x", "--prefix-store", "memory://", "--prefix-resolutions", "int3"]) == 2
+    assert main(["generate", "--prompt", "x", "--prefix-store", "memory://", "--prefix-draft", "int4"]) == 2
+    assert main(["generate", "--prompt", "x", "--lossless", "--prefix-draft", "int4"]) == 2
+    assert "--prefix-store" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_cli_lossless_drafts_from_a_stored_low_bit_prefix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(Path("examples/long_prompt.txt").read_text()[:4000])
+    store = f"file://{tmp_path / 'store'}"
+    plain = ["generate", "--prompt-file", str(prompt), "--max-new-tokens", "12", "--json"]
+    assert main(plain) == 0
+    expected = json.loads(capsys.readouterr().out)["token_ids"]
+    lossless = [*plain, "--prefix-store", store, "--lossless", "--prefix-draft", "int4"]
+    assert main(lossless) == 0  # fills the store (exact and int4 chunks)
+    assert json.loads(capsys.readouterr().out)["token_ids"] == expected
+    assert main(lossless) == 0  # drafts from the int4 window, verifies on the exact prefix
+    result = json.loads(capsys.readouterr().out)
+    assert result["token_ids"] == expected and result["stats"]["prefix_reused_tokens"] > 0

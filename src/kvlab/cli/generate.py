@@ -60,6 +60,11 @@ class GenerateCommand(Command):
             help="load the full KV while drafting (staggered) or after it",
         )
         lossless.add_argument(
+            "--prefix-draft", choices=("int8", "int4"),
+            help="with --prefix-store: draft from this low-bit copy of the stored prefix while the exact one "
+            "transfers (it is saved alongside the exact chunks)",
+        )
+        lossless.add_argument(
             "--draft-weights", default="same", choices=DRAFT_WEIGHTS,
             help="draft with the model itself or an int8-weight copy (CPU; verification stays exact)",
         )
@@ -112,14 +117,17 @@ def _prefix_config(args: argparse.Namespace) -> PrefixConfig | None:
             raise ConfigError("--prefix-chunk-tokens and --prefix-resolutions need --prefix-store")
         return None
     names = tuple(name.strip() for name in args.prefix_resolutions.split(",") if name.strip())
-    return PrefixConfig(chunk_tokens=args.prefix_chunk_tokens, write=names, fetch=names)
+    low_bit = (args.prefix_draft,) if args.prefix_draft and args.prefix_draft not in names else ()
+    return PrefixConfig(chunk_tokens=args.prefix_chunk_tokens, write=names + low_bit, fetch=names)
 
 
 def _spec_config(args: argparse.Namespace) -> SpecConfig | None:
     if not args.lossless:
-        if args.drafter_arg or args.draft_length != "auto" or args.draft_weights != "same":
-            raise ConfigError("--drafter-arg, --draft-length and --draft-weights need --lossless")
+        if args.drafter_arg or args.draft_length != "auto" or args.draft_weights != "same" or args.prefix_draft:
+            raise ConfigError("--drafter-arg, --draft-length, --draft-weights and --prefix-draft need --lossless")
         return None
+    if args.prefix_draft and not args.prefix_store:
+        raise ConfigError("--prefix-draft drafts from a stored prefix: add --prefix-store URL")
     if args.compressor is not None:
         raise ConfigError("--compressor decodes lossily; with --lossless choose the drafter with --drafter")
     draft_length: int | str = args.draft_length
@@ -135,6 +143,7 @@ def _spec_config(args: argparse.Namespace) -> SpecConfig | None:
         full_kv_tier=args.full_kv_tier,
         schedule=args.schedule,
         draft_weights=args.draft_weights,
+        prefix_draft=args.prefix_draft,
     )
 
 

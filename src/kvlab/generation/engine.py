@@ -116,6 +116,7 @@ def prefill(
     drafter: Compressor | None = None,
     prefix: PrefixSource | None = None,
     stats: GenerationStats | None = None,
+    prefix_resolutions: tuple[str, ...] | None = None,
 ) -> tuple[KVCache, KVCache | None, torch.Tensor]:
     """Prefill every prompt on its own (no padding), then stack the rows into one batch cache.
 
@@ -123,7 +124,8 @@ def prefill(
     right after attending over it. With `drafter`, the same forward also gives each layer's prompt KV
     to a second cache that `drafter` compresses (the draft cache of lossless decoding); the first
     cache then stays full. With `prefix`, each prompt's leading chunks are restored from a prefix
-    store first (into both caches) and only the rest is computed; the computed chunks are then saved.
+    store first (into both caches, at `prefix_resolutions` or the store's configured ones) and only
+    the rest is computed; the computed chunks are then saved.
 
     Returns:
         The batch cache, the draft cache (None without `drafter`), and [B, V] logits of each prompt's
@@ -136,7 +138,9 @@ def prefill(
         if drafter is not None:
             draft = KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device, drafter)
             drafts.append(draft)
-        start = 0 if prefix is None else _restore_prefix(prefix, prompt, [cache, draft], loaded.device, stats)
+        start = 0
+        if prefix is not None:
+            start = _restore_prefix(prefix, prompt, [cache, draft], loaded.device, stats, prefix_resolutions)
         positions = cache.next_positions(len(prompt) - start, loaded.device)
         captured: list[tuple[torch.Tensor, torch.Tensor]] | None = None if prefix is None else []
         step: ForwardStep
@@ -163,9 +167,10 @@ def _restore_prefix(
     caches: list[KVCache | None],
     device: torch.device,
     stats: GenerationStats | None,
+    resolutions: tuple[str, ...] | None,
 ) -> int:
     """Append a prompt's stored leading chunks to `caches`; returns how many tokens were restored."""
-    fetched = prefix.fetch(prompt)
+    fetched = prefix.fetch(prompt, resolutions)
     for cache in caches:
         if cache is not None:
             fetched.restore_into(cache, device)

@@ -40,8 +40,11 @@ from kvlab.spec.draft_length import DraftLengthController
 from kvlab.spec.remote_prefix import RemoteStart, remote_prefix_start
 from kvlab.spec.stats import SpecStats
 from kvlab.store.prefix import PrefixSource
-from kvlab.store.resolution import get_resolution
+from kvlab.store.resolution import exact_resolutions, get_resolution
 from kvlab.timing import Stopwatch
+
+# The verifier's cache is only ever restored from bit-exact chunks, whatever else the store allows.
+EXACT = exact_resolutions()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -123,7 +126,8 @@ def generate_lossless(
         config: Decoding settings (greedy when temperature is 0).
         spec: Drafter and draft length.
         on_progress: Called after each round with the number of tokens emitted.
-        prefix: Restore stored prompt prefixes (into the full and the draft cache) and save new ones.
+        prefix: Restore stored prompt prefixes (into the full and the draft cache; bit-exact chunks
+            only, so output stays identical) and save new ones.
     """
     check_prompts(loaded, prompts, config.max_new_tokens)
     stopwatch = Stopwatch(loaded.device)
@@ -134,7 +138,9 @@ def generate_lossless(
     stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
     spec_stats = SpecStats()
     if spec.prefix_draft is None:
-        full, draft, logits = prefill(loaded, prompts, capacity, drafter=spec.drafter, prefix=prefix, stats=stats)
+        full, draft, logits = prefill(
+            loaded, prompts, capacity, drafter=spec.drafter, prefix=prefix, stats=stats, prefix_resolutions=EXACT
+        )
         assert draft is not None
         last_tokens = select_next_tokens(logits, config, generator)
         first_tokens = [[token] for token in last_tokens.tolist()]
@@ -194,7 +200,9 @@ def _start_from_store(
     for prompt in prompts:
         start = remote_prefix_start(loaded, prompt, capacity, prefix, spec, config, generator, stats, spec_stats)
         if start is None:
-            full, draft, logits = prefill(loaded, [prompt], capacity, drafter=spec.drafter, prefix=prefix, stats=stats)
+            full, draft, logits = prefill(
+                loaded, [prompt], capacity, drafter=spec.drafter, prefix=prefix, stats=stats, prefix_resolutions=EXACT
+            )
             assert draft is not None
             token = select_next_tokens(logits, config, generator)
             start = RemoteStart(full, draft, token.tolist(), token)

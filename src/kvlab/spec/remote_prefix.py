@@ -26,7 +26,7 @@ from kvlab.models.draft_weights import draft_model
 from kvlab.spec.acceptance import accept_drafts
 from kvlab.spec.stats import SpecStats
 from kvlab.store.prefix import FetchedPrefix, PrefixSource
-from kvlab.store.resolution import RESOLUTIONS
+from kvlab.store.resolution import exact_resolutions
 from kvlab.timing import Stopwatch
 
 if TYPE_CHECKING:  # kvlab.spec.engine imports this module
@@ -124,8 +124,3 @@ def remote_prefix_start(
     stats.prefix_fetches.extend([low.stats, exact.stats])
     emitted = draft_ids[0, :accepted].tolist() + [int(next_token[0])]
     return RemoteStart(full, draft, emitted, next_token)
-
-
-def exact_resolutions() -> tuple[str, ...]:
-    """Resolutions whose restored KV has the original bits (the verifier reads only these)."""
-    return tuple(name for name, resolution in RESOLUTIONS.items() if resolution.exact)

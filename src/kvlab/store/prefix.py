@@ -2,11 +2,12 @@
 
 `PrefixCache.fetch(tokens)` looks up which leading chunks of a prompt are stored, plans a resolution
 per chunk (`kvlab.store.planner`) from what it has measured so far (link throughput, decode speed,
-chunk sizes, prefill speed), and runs a two-stage pipeline: one thread transfers chunk i+1 while the
-caller decodes chunk i. After every chunk it re-plans the rest, so a link that slows down shifts the
-remaining chunks to smaller resolutions or to recomputation. Any failure (store down, chunk missing,
-checksum mismatch, wrong shape) ends the fetch at that chunk: the caller recomputes from there, so
-output stays identical; the failure is logged once per fetch.
+chunk sizes, prefill speed), and runs a pipeline: one thread transfers chunk i+1 while worker
+threads decode the chunks before it, and the caller restores them in order. Before every chunk it
+re-plans the rest, so a link that slows down shifts the remaining chunks to smaller resolutions or
+to recomputation. Any failure (store down, chunk missing, checksum mismatch, wrong shape) ends the
+fetch at that chunk: the caller recomputes from there, so output stays identical; the failure is
+logged once per fetch.
 
 `PrefixCache.save(tokens, start, layer_kv)` writes the complete chunks a prefill computed, at every
 configured resolution, from a background thread (`flush()` waits for it).
@@ -202,7 +203,7 @@ class PrefixCache:
     Args:
         store: Where chunks live (any `kvlab.store` backend, or a `ThrottledStore` around one).
         model_identity: `kvlab.models.model_identity(model)`: KV is only reused by the same model.
-        raw_chunk_bytes: fp32-equivalent bytes of one token's KV, all layers (sizes the planner's priors).
+        raw_bytes_per_token: fp32-equivalent bytes of one token's KV, all layers (sizes the planner's priors).
         config: Chunking and resolutions.
     """
 

@@ -79,6 +79,11 @@ RESOLUTIONS: dict[str, Resolution] = {
 }
 
 
+def exact_resolutions() -> tuple[str, ...]:
+    """Resolutions whose restored KV has the original bits (the only ones a verifier may read)."""
+    return tuple(name for name, resolution in RESOLUTIONS.items() if resolution.exact)
+
+
 def get_resolution(name: str) -> Resolution:
     try:
         return RESOLUTIONS[name]

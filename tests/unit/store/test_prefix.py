@@ -111,6 +111,19 @@ def test_lossless_decoding_with_a_prefix_store_is_identical(model: LoadedModel, 
     assert output.requests[0].token_ids == expected and output.stats.prefix_reused_tokens == 4 * CHUNK
 
 
+def test_lossless_decoding_restores_its_verifier_from_exact_chunks_only(model: LoadedModel) -> None:
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    expected = generate(model, [PROMPT], config).requests[0].token_ids
+    # A store configured to fetch int4 when it is cheaper, as it is on the (assumed) slow link at first.
+    prefix = make_cache(model, write=("exact", "int4"), fetch=("exact", "int4"), prior_bandwidth_bits=1e3)
+    generate(model, [PROMPT], config, prefix=prefix)
+    prefix.flush()
+    assert "int4" in generate(model, [PROMPT], config, prefix=prefix).stats.prefix_fetches[0].resolutions
+    output = generate_lossless(model, [PROMPT], config, SpecConfig(create_compressor("snapkv"), 4), prefix=prefix)
+    assert output.requests[0].token_ids == expected
+    assert output.stats.prefix_fetches[0].resolutions == {"exact": 4}
+
+
 def test_code_lossless_resolutions_restore_quantized_kv(model: LoadedModel) -> None:
     keys = torch.randn(3, 2, CHUNK, 8)
     values = torch.randn(3, 2, CHUNK, 8)
