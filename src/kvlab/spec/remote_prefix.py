@@ -94,6 +94,8 @@ def remote_prefix_start(
             if len(drafts) >= spec.max_draft_length or not transfer.is_alive():
                 break
             logits = forward(drafter, draft, token[:, None], logits_to_keep=1)[:, -1]
+        # Every draft but the last was fed back; their drafted KV makes way for the verifier's below.
+        draft.drop_last(len(drafts) - 1)
     draft_s = draft_clock.elapsed()
     transfer.join()
     exact = arrived["exact"]

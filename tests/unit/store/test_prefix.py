@@ -13,6 +13,7 @@ from kvlab.generation.engine import generate, prefill
 from kvlab.models import LoadedModel
 from kvlab.spec.engine import SpecConfig, generate_lossless
 from kvlab.store import KVStore, StoreUnavailableError, create_store
+from kvlab.store.link import ThrottledStore
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 from kvlab.store.resolution import RESOLUTIONS, decode_chunk, encode_chunk
 from tests.conftest import RedisServer, tiny_llama
@@ -350,3 +351,31 @@ def test_a_prefix_restored_with_gaps_keeps_the_rest_causal(model: LoadedModel) -
     changed_last = suffix_logits([5, 9, 4, 33, 60])
     assert torch.equal(first[:, :-1], changed_last[:, :-1])
     assert not torch.equal(first[:, -1], changed_last[:, -1])
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_after_the_remote_start_both_caches_hold_the_same_sequence(model: LoadedModel, window: int | None) -> None:
+    from kvlab.generation.engine import GenerationStats
+    from kvlab.spec.remote_prefix import remote_prefix_start
+    from kvlab.spec.stats import SpecStats
+
+    spec_stats = SpecStats()
+    prefix = make_cache(model, write=("exact", "int4"))
+    generate(model, [PROMPT], GenerationConfig(max_new_tokens=1), prefix=prefix)
+    prefix.flush()
+    # A slow link, so that several tokens are drafted while the exact prefix transfers.
+    prefix.store = ThrottledStore(prefix.store, bits_per_s=1e6, burst_bytes=1)
+    spec = SpecConfig(create_compressor("streamingllm", compression_ratio=0.0), 4, prefix_draft="int4",
+                      prefix_draft_chunks=window, max_draft_length=6)
+    start = remote_prefix_start(
+        model, PROMPT, 128, prefix, spec, GenerationConfig(max_new_tokens=8), None, GenerationStats(), spec_stats
+    )
+    assert start is not None
+    accepted = len(start.emitted) - 1
+    assert spec_stats.draft_tokens > 1
+    # Both hold the prompt and the accepted drafts: everything before the next token.
+    assert start.full.seq_lengths == start.draft.seq_lengths == [len(PROMPT) + accepted]
+    stored_low = (4 if window is None else window) * CHUNK
+    rest = len(PROMPT) - 4 * CHUNK
+    for layer in start.draft.layers:  # keeps everything (ratio 0): window + rest of prompt + accepted drafts
+        assert layer.lengths == [stored_low + rest + accepted]  # type: ignore[attr-defined]
