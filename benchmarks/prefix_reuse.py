@@ -11,7 +11,8 @@ token-bucket link of each bandwidth. Rows per link:
   int8 / int4       code-lossless quantized codes (output may differ)
   adaptive          per chunk raw / exact / int8 / int4 / recompute, planned from measured bandwidth
   adaptive-exact    raw, exact or recompute only (output identical)
-  lossless int4     lossless decoding drafting from the int4 prefix while the exact one arrives
+  lossless int4     lossless decoding drafting from an int4 window of the prefix while the exact
+                    prefix arrives
 TTFT ratios are against recomputing the whole prompt and against the raw fetch on the same link;
 "identical" compares the first `--new-tokens` greedy tokens with recompute. `time to N` is the time
 until all N tokens are out (where drafting during the transfer shows).
@@ -69,8 +70,8 @@ def run_mode(loaded: LoadedModel, prompt: list[int], prefix: PrefixCache, new_to
     config = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
     if lossless_from is None:
         return generate(loaded, [prompt], config, prefix=prefix)
-    # The drafter sees only a window of the prefix (first + last chunks), so it keeps half of it.
-    spec = SpecConfig(create_compressor("snapkv", compression_ratio=0.5), "auto", prefix_draft=lossless_from)
+    # The drafter already sees only a window of the prefix (its first and last chunks): it keeps all of it.
+    spec = SpecConfig(create_compressor("snapkv", compression_ratio=0.0), "auto", prefix_draft=lossless_from)
     return generate_lossless(loaded, [prompt], config, spec, prefix=prefix)
 
 
@@ -83,7 +84,7 @@ def main() -> None:
     parser.add_argument("--prefix-tokens", type=int, default=8000)
     parser.add_argument("--suffix-tokens", type=int, default=48)
     parser.add_argument("--links", type=float, nargs="+", default=[0.1, 1.0, 10.0], help="Gbit/s")
-    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--modes", nargs="*", help="labels to run (default: all)")
     parser.add_argument("--scheduler-link", type=float, default=0.1, help="Gbit/s of the scheduler experiment (0: skip)")

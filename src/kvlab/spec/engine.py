@@ -148,7 +148,7 @@ def generate_lossless(
         if prefix is None:
             raise ConfigError("drafting from a low-bit prefix (prefix_draft) needs a prefix store")
         full, draft, first_tokens, last_tokens = _start_from_store(
-            loaded, prompts, capacity, prefix, spec, config, generator, stats, spec_stats
+            loaded, prompts, capacity, prefix, spec, config, generator, stats, spec_stats, controller.next_length()
         )
     if spec.full_kv_tier == "disk":
         full = move_to_disk(full)
@@ -193,12 +193,15 @@ def _start_from_store(
     generator: torch.Generator | None,
     stats: GenerationStats,
     spec_stats: SpecStats,
+    max_drafts: int,
 ) -> tuple[KVCache, KVCache, list[list[int]], torch.Tensor]:
     """First verified round of each prompt, drafting from its low-bit prefix while the exact one arrives
     (a prompt with no low-bit prefix stored is prefilled as usual)."""
     fulls, drafts, first_tokens, last_tokens = [], [], [], []
     for prompt in prompts:
-        start = remote_prefix_start(loaded, prompt, capacity, prefix, spec, config, generator, stats, spec_stats)
+        start = remote_prefix_start(
+            loaded, prompt, capacity, prefix, spec, config, generator, stats, spec_stats, max_drafts
+        )
         if start is None:
             full, draft, logits = prefill(
                 loaded, [prompt], capacity, drafter=spec.drafter, prefix=prefix, stats=stats, prefix_resolutions=EXACT

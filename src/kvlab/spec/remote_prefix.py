@@ -53,8 +53,12 @@ def remote_prefix_start(
     generator: torch.Generator | None,
     stats: GenerationStats,
     spec_stats: SpecStats,
+    max_drafts: int,
 ) -> RemoteStart | None:
     """Start one prompt from a low-bit prefix (see the module docstring).
+
+    Drafts at most `max_drafts` tokens (at least one) while the exact prefix transfers: every draft
+    lengthens the verify pass, and acceptance decays along a draft.
 
     Returns None when no low-bit chunk could be fetched: the caller then prefills normally.
     """
@@ -85,13 +89,13 @@ def remote_prefix_start(
     logits = run_step(drafter, step, rest, logits_to_keep=1)[:, -1]
     drafts, probs = [], []
     with draft.provisional():
-        # Draft until the exact prefix is in (at least one token, at most the longest draft allowed).
+        # Draft until the exact prefix is in (at least one token, at most `max_drafts`).
         while True:
             token, distribution = draw_tokens(logits, config, generator)
             drafts.append(token)
             if distribution is not None:
                 probs.append(distribution)
-            if len(drafts) >= spec.max_draft_length or not transfer.is_alive():
+            if len(drafts) >= max_drafts or not transfer.is_alive():
                 break
             logits = forward(drafter, draft, token[:, None], logits_to_keep=1)[:, -1]
         # Every draft but the last was fed back; their drafted KV makes way for the verifier's below.

@@ -366,9 +366,9 @@ def test_after_the_remote_start_both_caches_hold_the_same_sequence(model: Loaded
     # A slow link, so that several tokens are drafted while the exact prefix transfers.
     prefix.store = ThrottledStore(prefix.store, bits_per_s=1e6, burst_bytes=1)
     spec = SpecConfig(create_compressor("streamingllm", compression_ratio=0.0), 4, prefix_draft="int4",
-                      prefix_draft_chunks=window, max_draft_length=6)
+                      prefix_draft_chunks=window)
     start = remote_prefix_start(
-        model, PROMPT, 128, prefix, spec, GenerationConfig(max_new_tokens=8), None, GenerationStats(), spec_stats
+        model, PROMPT, 128, prefix, spec, GenerationConfig(max_new_tokens=8), None, GenerationStats(), spec_stats, 6
     )
     assert start is not None
     accepted = len(start.emitted) - 1
