@@ -138,3 +138,34 @@ def test_unused_slots_hold_finite_values_so_masked_attention_stays_finite() -> N
     layer.drop_last([2, 0])
     layer.append(torch.ones(2, 1, 6, 4), torch.ones(2, 1, 6, 4))
     assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
+
+
+def test_prefill_in_fixed_chunks_gives_a_chunk_the_same_bits_in_any_prompt(tiny_model: LoadedModel) -> None:
+    """Kernels block by input length, so one forward over a longer prompt may change a token's last
+    bits; cut at fixed boundaries, a chunk's KV does not depend on what follows it."""
+    from kvlab.generation.engine import prefill
+
+    shared = [(11 * i + 5) % 90 + 3 for i in range(48)]
+    caches = [
+        prefill(tiny_model, [shared + tail], 80, chunk_tokens=16)[0]
+        for tail in ([7], [9, 4, 33, 17, 60, 61, 62, 5, 6], [8] * 20)
+    ]
+    for layers in zip(*(cache.layers for cache in caches)):
+        keys = [layer.keys[:, :, :48] for layer in layers]  # type: ignore[attr-defined]
+        assert all(torch.equal(keys[0], other) for other in keys[1:])
+
+
+def test_padded_causal_attention_equals_masked_attention() -> None:
+    from kvlab.cache.attention import _padded_causal, visibility_mask
+
+    torch.manual_seed(0)
+    for heads, kv_heads in ((4, 4), (6, 2)):
+        queries = torch.randn(2, heads, 70, 16)
+        keys, values = torch.randn(2, kv_heads, 100, 16), torch.randn(2, kv_heads, 100, 16)
+        positions = torch.arange(30, 100).expand(2, 70)
+        mask = visibility_mask(positions, [100, 100], 100)
+        gqa = heads != kv_heads
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, scale=0.25, enable_gqa=gqa
+        )
+        assert torch.equal(_padded_causal(queries, keys, values, 0.25, gqa), expected)

@@ -48,9 +48,11 @@ class ForwardStep:
 @dataclasses.dataclass(slots=True)
 class PairedPrefillStep(ForwardStep):
     """Prefill that fills the full cache exactly and gives a compressed copy of the prompt to a second
-    cache (the drafter's), from the same forward."""
+    cache (the drafter's), from the same forward. A prompt prefilled in pieces compresses the draft
+    once, after its last piece (`compress_draft`)."""
 
     draft_cache: KVCache | None = None
+    compress_draft: bool = True
 
     def attend(
         self, layer_idx: int, queries: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor, scaling: float
@@ -59,7 +61,8 @@ class PairedPrefillStep(ForwardStep):
         assert self.draft_cache is not None
         draft_layer = self.draft_cache.layers[layer_idx]
         draft_layer.append(new_keys, new_values)
-        draft_layer.compress_prompt(queries, scaling, layer_idx)
+        if self.compress_draft:
+            draft_layer.compress_prompt(queries, scaling, layer_idx)
         return output
 
 

@@ -19,6 +19,10 @@ class GenerationConfig:
         stop_strings: Generation of a row ends once its text contains one of these; the text is cut
             before it (the token ids keep the token that completed it).
         ignore_eos: Keep generating past end-of-sequence tokens (for fixed-length measurements).
+        prefill_chunk_tokens: Prefill the prompt in forwards cut at multiples of this many tokens
+            (None: one forward). A prefix store always prefills in its own chunks, so that a stored
+            chunk has exactly the bits recomputing it gives; set this to the store's chunk size to get
+            the same bits without a store.
     """
 
     max_new_tokens: int = 256
@@ -27,8 +31,11 @@ class GenerationConfig:
     seed: int = 0
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
+    prefill_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
+            raise ConfigError(f"prefill_chunk_tokens must be at least 1 or None, got {self.prefill_chunk_tokens}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if self.temperature < 0:

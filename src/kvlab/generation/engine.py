@@ -7,6 +7,7 @@ cache; finished rows leave the batch so the others do not pay for them.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -117,6 +118,7 @@ def prefill(
     prefix: PrefixSource | None = None,
     stats: GenerationStats | None = None,
     prefix_resolutions: tuple[str, ...] | None = None,
+    chunk_tokens: int | None = None,
 ) -> tuple[KVCache, KVCache | None, torch.Tensor]:
     """Prefill every prompt on its own (no padding), then stack the rows into one batch cache.
 
@@ -124,13 +126,25 @@ def prefill(
     right after attending over it. With `drafter`, the same forward also gives each layer's prompt KV
     to a second cache that `drafter` compresses (the draft cache of lossless decoding); the first
     cache then stays full. With `prefix`, each prompt's leading chunks are restored from a prefix
-    store first (into both caches, at `prefix_resolutions` or the store's configured ones) and only
-    the rest is computed; the computed chunks are then saved.
+    store first (into both caches, at `prefix_resolutions` or the store's configured ones) and the
+    rest is computed chunk by chunk and saved.
+
+    Prefill runs in forwards cut at multiples of `chunk_tokens` (the store's chunk size with `prefix`;
+    one forward when None). Kernels pick their blocking by input length, so the same tokens computed
+    in forwards of other lengths may differ in their last bits: cutting at fixed boundaries makes a
+    chunk's KV the same whichever prompt computed it, and a restored chunk exactly what recomputing
+    it gives. Compressors see the prompt once, after the last piece.
 
     Returns:
         The batch cache, the draft cache (None without `drafter`), and [B, V] logits of each prompt's
         last position.
     """
+    if prefix is not None:
+        if chunk_tokens not in (None, prefix.chunk_tokens):
+            raise ConfigError(
+                f"prefill chunks of {chunk_tokens} tokens do not match the prefix store's {prefix.chunk_tokens}"
+            )
+        chunk_tokens = prefix.chunk_tokens
     caches, drafts, last_logits = [], [], []
     for prompt in prompts:
         cache = KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device, compressor)
@@ -141,24 +155,36 @@ def prefill(
         start = 0
         if prefix is not None:
             start = _restore_prefix(prefix, prompt, [cache, draft], loaded.device, stats, prefix_resolutions)
-        positions = cache.next_positions(len(prompt) - start, loaded.device)
-        captured: list[tuple[torch.Tensor, torch.Tensor]] | None = None if prefix is None else []
-        step: ForwardStep
-        if draft is None:
-            step = ForwardStep(cache, positions, compress=compressor is not None, captured=captured)
-        else:
-            step = PairedPrefillStep(cache, positions, captured=captured, draft_cache=draft)
-        input_ids = torch.tensor([prompt[start:]], device=loaded.device)
-        clock = Stopwatch(loaded.device)
-        last_logits.append(run_step(loaded.model, step, input_ids, logits_to_keep=1)[:, -1])
-        if draft is not None:
-            draft.advance(len(prompt) - start)
-        if prefix is not None and captured is not None:
-            prefix.observe_prefill(len(prompt) - start, clock.elapsed())
-            prefix.save(prompt, start, captured)
+        pieces = prefill_pieces(start, len(prompt), chunk_tokens)
+        for index, (begin, end) in enumerate(pieces):
+            last = index == len(pieces) - 1
+            positions = cache.next_positions(end - begin, loaded.device)
+            captured: list[tuple[torch.Tensor, torch.Tensor]] | None = None if prefix is None else []
+            step: ForwardStep
+            if draft is None:
+                step = ForwardStep(cache, positions, compress=compressor is not None and last, captured=captured)
+            else:
+                step = PairedPrefillStep(cache, positions, captured=captured, draft_cache=draft, compress_draft=last)
+            input_ids = torch.tensor([prompt[begin:end]], device=loaded.device)
+            clock = Stopwatch(loaded.device)
+            logits = run_step(loaded.model, step, input_ids, logits_to_keep=1)[:, -1]
+            if draft is not None:
+                draft.advance(end - begin)
+            if prefix is not None and captured is not None:
+                prefix.observe_prefill(end - begin, clock.elapsed())
+                prefix.save(prompt, begin, captured)
+        last_logits.append(logits)
         caches.append(cache)
     draft_cache = _stack(drafts, capacity) if drafts else None
     return _stack(caches, capacity), draft_cache, torch.cat(last_logits)
+
+
+def prefill_pieces(start: int, end: int, chunk_tokens: int | None) -> list[tuple[int, int]]:
+    """Token ranges covering [start, end), cut at multiples of `chunk_tokens` (one range when None)."""
+    if chunk_tokens is None:
+        return [(start, end)]
+    cuts = [start, *range((start // chunk_tokens + 1) * chunk_tokens, end, chunk_tokens), end]
+    return list(itertools.pairwise(cuts))
 
 
 def _restore_prefix(
@@ -214,7 +240,9 @@ def generate(
     )
     capacity = max(len(p) for p in prompts) + config.max_new_tokens
     stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
-    cache, _, logits = prefill(loaded, prompts, capacity, compressor, prefix=prefix, stats=stats)
+    cache, _, logits = prefill(
+        loaded, prompts, capacity, compressor, prefix=prefix, stats=stats, chunk_tokens=config.prefill_chunk_tokens
+    )
     stats.record_cache(cache)
     rows = BatchRows(len(prompts), checker)
     while True:

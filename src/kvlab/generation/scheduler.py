@@ -68,6 +68,10 @@ class _Prefetched:
         self.tokens = tokens
         self.fetched = fetched
 
+    @property
+    def chunk_tokens(self) -> int:
+        return self.cache.chunk_tokens
+
     def lookup(self, tokens: list[int], resolutions: tuple[str, ...] | None = None) -> list[list[str]]:
         return self.cache.lookup(tokens, resolutions)
 

@@ -139,7 +139,8 @@ def generate_lossless(
     spec_stats = SpecStats()
     if spec.prefix_draft is None:
         full, draft, logits = prefill(
-            loaded, prompts, capacity, drafter=spec.drafter, prefix=prefix, stats=stats, prefix_resolutions=EXACT
+            loaded, prompts, capacity, drafter=spec.drafter, prefix=prefix, stats=stats, prefix_resolutions=EXACT,
+            chunk_tokens=config.prefill_chunk_tokens,
         )
         assert draft is not None
         last_tokens = select_next_tokens(logits, config, generator)
@@ -204,7 +205,8 @@ def _start_from_store(
         )
         if start is None:
             full, draft, logits = prefill(
-                loaded, [prompt], capacity, drafter=spec.drafter, prefix=prefix, stats=stats, prefix_resolutions=EXACT
+                loaded, [prompt], capacity, drafter=spec.drafter, prefix=prefix, stats=stats, prefix_resolutions=EXACT,
+                chunk_tokens=config.prefill_chunk_tokens,
             )
             assert draft is not None
             token = select_next_tokens(logits, config, generator)

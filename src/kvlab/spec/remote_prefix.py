@@ -19,7 +19,7 @@ import torch
 
 from kvlab.cache import ForwardStep, KVCache, forward, run_step
 from kvlab.generation.config import GenerationConfig
-from kvlab.generation.engine import GenerationStats
+from kvlab.generation.engine import GenerationStats, prefill_pieces
 from kvlab.generation.sampling import draw_tokens
 from kvlab.models import LoadedModel
 from kvlab.models.draft_weights import draft_model
@@ -108,10 +108,19 @@ def remote_prefix_start(
     verify_clock = Stopwatch(device)
     full = KVCache.allocate(architecture, 1, capacity, dtype, device)
     exact.restore_into(full, device)
+    # Complete chunks of the rest are computed on their own, as a prefill would (their KV is saved and
+    # must have the bits recomputing them gives); the last piece goes with the drafts.
+    pieces = prefill_pieces(exact.end, len(prompt), prefix.chunk_tokens)
+    for begin, end in pieces[:-1]:
+        chunk_step = ForwardStep(full, full.next_positions(end - begin, device), captured=[])
+        run_step(loaded.model, chunk_step, torch.tensor([prompt[begin:end]], device=device), logits_to_keep=1)
+        assert chunk_step.captured is not None
+        prefix.save(prompt, begin, chunk_step.captured)
+    begin = pieces[-1][0]
+    computed = len(prompt) - begin
     draft_ids = torch.stack(drafts, dim=1)  # [1, k]
-    computed = len(prompt) - exact.end
     step = ForwardStep(full, full.next_positions(computed + len(drafts), device), captured=[])
-    verify_ids = torch.cat([torch.tensor([prompt[exact.end :]], device=device), draft_ids], dim=1)
+    verify_ids = torch.cat([torch.tensor([prompt[begin:]], device=device), draft_ids], dim=1)
     # Logits from the last prompt token on: it predicts the first draft.
     target_logits = run_step(loaded.model, step, verify_ids, logits_to_keep=len(drafts) + 1)
     draft_probs = torch.stack(probs, dim=1) if probs else None
@@ -120,8 +129,7 @@ def remote_prefix_start(
     full.drop_last(len(drafts) - accepted)
     assert step.captured is not None
     draft.append([(k[:, :, computed:], v[:, :, computed:]) for k, v in step.captured], [accepted])
-    prefix.observe_prefill(computed + len(drafts), verify_clock.elapsed())
-    prefix.save(prompt, exact.end, [(k[:, :, :computed], v[:, :, :computed]) for k, v in step.captured])
+    prefix.observe_prefill(len(prompt) - exact.end + len(drafts), verify_clock.elapsed())
 
     spec_stats.draft_s += draft_s
     spec_stats.verify_s += verify_clock.elapsed()

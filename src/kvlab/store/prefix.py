@@ -154,6 +154,9 @@ class FetchedPrefix:
 class PrefixSource(Protocol):
     """What prefill needs from a prefix store (`PrefixCache`, or a scheduler's prefetched results)."""
 
+    @property
+    def chunk_tokens(self) -> int: ...
+
     def lookup(self, tokens: list[int], resolutions: tuple[str, ...] | None = None) -> list[list[str]]: ...
 
     def fetch(
@@ -224,6 +227,10 @@ class PrefixCache:
         backend = create_store(store) if isinstance(store, str) else store
         raw_bytes_per_token = loaded.architecture.kv_bytes_per_token(element_size=4)
         return cls(backend, model_identity(loaded.model), raw_bytes_per_token, config)
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.config.chunk_tokens
 
     # ----- keys and lookup
 
