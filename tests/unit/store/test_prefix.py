@@ -381,3 +381,19 @@ def test_after_the_remote_start_both_caches_hold_the_same_sequence(model: Loaded
     rest = len(PROMPT) - 4 * CHUNK
     for layer in start.draft.layers:  # keeps everything (ratio 0): window + rest of prompt + accepted drafts
         assert layer.lengths == [stored_low + rest + accepted]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("method", ["snapkv", "kivi"])
+def test_lossy_decoding_with_a_prefix_store_restores_then_compresses(model: LoadedModel, method: str) -> None:
+    """The store holds full KV; a compressed cache takes the restored prefix and compresses the whole
+    prompt after its last piece, exactly as when every chunk is computed."""
+    config = GenerationConfig(max_new_tokens=10, ignore_eos=True, prefill_chunk_tokens=CHUNK)
+    compressor = create_compressor(method)
+    expected = generate(model, [PROMPT], config, compressor=compressor)
+    prefix = make_cache(model)
+    generate(model, [PROMPT], config, compressor=compressor, prefix=prefix)
+    prefix.flush()
+    output = generate(model, [PROMPT], config, compressor=compressor, prefix=prefix)
+    assert output.stats.prefix_reused_tokens == 4 * CHUNK
+    assert output.requests[0].token_ids == expected.requests[0].token_ids
+    assert output.stats.kv_bytes == expected.stats.kv_bytes
