@@ -14,6 +14,7 @@ Pure Python/numpy: correct and portable, not fast (tens of MB/s).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -103,31 +104,18 @@ def encode_lanes(symbols: np.ndarray, lengths: np.ndarray, contexts: LaneContext
     low = np.zeros(num_lanes, dtype=np.uint64)
     span = np.full(num_lanes, MASK, dtype=np.uint64)
     out = _Output(num_lanes, 2 * num_steps + 16)
-    refresh, last = set(refresh_steps(num_steps)), 0
-    for step in range(num_steps):
-        if step in refresh:
-            model.observe(symbols[last:step], _active(lengths, last, step), contexts.block(last, step))
-            model.refresh()
-            last = step
-        active = lengths > step
+    def write_byte(lanes: np.ndarray) -> None:
+        out.put(lanes, (low[lanes] >> np.uint64(24)).astype(np.uint8))
+
+    for step, active in _coding_steps(model, symbols, lengths, contexts):
         context = contexts.at(step)
         index = context * (alphabet + 1) + symbols[step]
         start = model.cumulative[index]
         size = model.cumulative[index + 1] - start
         unit = span // model.totals[context]
-        low = np.where(active, (low + unit * start) & MASK, low)
-        span = np.where(active, unit * size, span)
-        for _ in range(MAX_SHIFTS + 1):
-            settled, underflow = _needs_shift(low, span)
-            shift = (settled | underflow) & active
-            if not shift.any():
-                break
-            span = np.where(underflow & active, (np.uint64(1 << 32) - low) & (BOTTOM - np.uint64(1)), span)
-            lanes = np.flatnonzero(shift)
-            out.put(lanes, (low[lanes] >> np.uint64(24)).astype(np.uint8))
-            low[lanes] = (low[lanes] << np.uint64(8)) & MASK
-            span[lanes] = (span[lanes] << np.uint64(8)) & MASK
-        else:
+        low[:] = np.where(active, (low + unit * start) & MASK, low)
+        span[:] = np.where(active, unit * size, span)
+        if not _renormalize(low, span, active, write_byte):
             raise AssertionError("range coder state did not renormalize")
     all_lanes = np.arange(num_lanes)
     for _ in range(4):
@@ -161,13 +149,13 @@ def decode_lanes(streams: list[bytes | memoryview], lengths: np.ndarray, context
     span = np.full(num_lanes, MASK, dtype=np.uint64)
     symbols = np.zeros((num_steps, num_lanes), dtype=np.int64)
     search_bits = [1 << bit for bit in reversed(range(max(1, (alphabet - 1).bit_length())))]
-    refresh, last = set(refresh_steps(num_steps)), 0
-    for step in range(num_steps):
-        if step in refresh:
-            model.observe(symbols[last:step], _active(lengths, last, step), contexts.block(last, step))
-            model.refresh()
-            last = step
-        active = lengths > step
+
+    def read_byte(lanes: np.ndarray) -> None:
+        next_bytes = data[lanes, np.minimum(position[lanes], width - 1)].astype(np.uint64)
+        code[lanes] = ((code[lanes] << np.uint64(8)) | next_bytes) & MASK
+        position[lanes] += 1
+
+    for step, active in _coding_steps(model, symbols, lengths, contexts):
         rows = contexts.at(step) * (alphabet + 1)
         totals = model.totals[contexts.at(step)]
         unit = span // totals
@@ -178,26 +166,49 @@ def decode_lanes(streams: list[bytes | memoryview], lengths: np.ndarray, context
             found = np.where(model.cumulative[rows + candidate] <= target, candidate, found)
         start = model.cumulative[rows + found]
         size = model.cumulative[rows + found + 1] - start
-        low = np.where(active, (low + unit * start) & MASK, low)
-        span = np.where(active, unit * size, span)
+        low[:] = np.where(active, (low + unit * start) & MASK, low)
+        span[:] = np.where(active, unit * size, span)
         symbols[step] = np.where(active, found, 0)
-        for _ in range(MAX_SHIFTS + 1):
-            settled, underflow = _needs_shift(low, span)
-            shift = (settled | underflow) & active
-            if not shift.any():
-                break
-            span = np.where(underflow & active, (np.uint64(1 << 32) - low) & (BOTTOM - np.uint64(1)), span)
-            lanes = np.flatnonzero(shift)
-            next_bytes = data[lanes, np.minimum(position[lanes], width - 1)].astype(np.uint64)
-            code[lanes] = ((code[lanes] << np.uint64(8)) | next_bytes) & MASK
-            position[lanes] += 1
-            low[lanes] = (low[lanes] << np.uint64(8)) & MASK
-            span[lanes] = (span[lanes] << np.uint64(8)) & MASK
-        else:
+        if not _renormalize(low, span, active, read_byte):
             raise CodecError("range-coded stream is corrupted (decoder state does not renormalize)")
     if num_lanes and not np.array_equal(position, stream_lengths):
         raise CodecError("range-coded lane length does not match its symbols (corrupted stream)")
     return symbols
+
+
+def _coding_steps(
+    model: AdaptiveModel, symbols: np.ndarray, lengths: np.ndarray, contexts: LaneContexts
+) -> Iterator[tuple[int, np.ndarray]]:
+    """Each step and its active lanes, refreshing the adaptive model from the symbols coded so far on
+    the schedule both sides share (the decoder fills `symbols` in place as it goes)."""
+    refresh, last = set(refresh_steps(len(symbols))), 0
+    for step in range(len(symbols)):
+        if step in refresh:
+            model.observe(symbols[last:step], _active(lengths, last, step), contexts.block(last, step))
+            model.refresh()
+            last = step
+        yield step, lengths > step
+
+
+def _renormalize(
+    low: np.ndarray, span: np.ndarray, active: np.ndarray, move_byte: Callable[[np.ndarray], None]
+) -> bool:
+    """Shift settled bytes out of `low`/`span` (in place) until every active lane's range is wide again.
+
+    `move_byte(lanes)` runs before each shift: the encoder writes the lanes' top byte of `low`, the
+    decoder reads the next byte of their streams. False when a lane does not settle (corrupt state).
+    """
+    for _ in range(MAX_SHIFTS + 1):
+        settled, underflow = _needs_shift(low, span)
+        shift = (settled | underflow) & active
+        if not shift.any():
+            return True
+        span[:] = np.where(underflow & active, (np.uint64(1 << 32) - low) & (BOTTOM - np.uint64(1)), span)
+        lanes = np.flatnonzero(shift)
+        move_byte(lanes)
+        low[lanes] = (low[lanes] << np.uint64(8)) & MASK
+        span[lanes] = (span[lanes] << np.uint64(8)) & MASK
+    return False
 
 
 def _needs_shift(low: np.ndarray, span: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
