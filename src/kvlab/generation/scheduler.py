@@ -72,8 +72,10 @@ class _Prefetched:
     def chunk_tokens(self) -> int:
         return self.cache.chunk_tokens
 
-    def lookup(self, tokens: list[int], resolutions: tuple[str, ...] | None = None) -> list[list[str]]:
-        return self.cache.lookup(tokens, resolutions)
+    def lookup(
+        self, tokens: list[int], resolutions: tuple[str, ...] | None = None, limit: int | None = None
+    ) -> list[list[str]]:
+        return self.cache.lookup(tokens, resolutions, limit)
 
     def fetch(
         self, tokens: list[int], resolutions: tuple[str, ...] | None = None, chunks: list[int] | None = None
@@ -132,8 +134,9 @@ class FetchAwareScheduler:
                 while admitted < len(order) and requests[order[admitted]].arrival_s <= now():
                     index = order[admitted]
                     admitted += 1
-                    # A lookup is a few small requests; only a real fetch goes to the background.
-                    if self.fetch_aware and self.prefix.lookup(requests[index].prompt):
+                    # Whether the first chunk is stored decides it (one small request); the fetch
+                    # itself, with its full lookup, runs in the background.
+                    if self.fetch_aware and self.prefix.lookup(requests[index].prompt, limit=1):
                         pending_fetches.append(pool.submit(fetch, index))
                     else:
                         ready.put((requests[index].arrival_s, index))

@@ -63,9 +63,10 @@ def remote_prefix_start(
     Returns None when no low-bit chunk could be fetched: the caller then prefills normally.
     """
     assert spec.prefix_draft is not None
-    stored = len(prefix.lookup(prompt, (spec.prefix_draft,)))
-    window = stored if spec.prefix_draft_chunks is None else spec.prefix_draft_chunks
-    low = prefix.fetch(prompt, (spec.prefix_draft,), sorted({0, *range(max(0, stored - window + 1), stored)}))
+    # The first chunk and the last (window - 1) of the stored run, counted from its end by the fetch.
+    window = spec.prefix_draft_chunks
+    chunks = None if window is None else [0, *range(1 - window, 0)]
+    low = prefix.fetch(prompt, (spec.prefix_draft,), chunks)
     if low.num_tokens == 0:
         return None
     arrived: dict[str, FetchedPrefix] = {}

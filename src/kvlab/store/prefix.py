@@ -157,7 +157,9 @@ class PrefixSource(Protocol):
     @property
     def chunk_tokens(self) -> int: ...
 
-    def lookup(self, tokens: list[int], resolutions: tuple[str, ...] | None = None) -> list[list[str]]: ...
+    def lookup(
+        self, tokens: list[int], resolutions: tuple[str, ...] | None = None, limit: int | None = None
+    ) -> list[list[str]]: ...
 
     def fetch(
         self, tokens: list[int], resolutions: tuple[str, ...] | None = None, chunks: list[int] | None = None
@@ -244,11 +246,14 @@ class PrefixCache:
         since the first output token needs the last prompt token's logits."""
         return (num_tokens - 1) // self.config.chunk_tokens
 
-    def lookup(self, tokens: list[int], resolutions: tuple[str, ...] | None = None) -> list[list[str]]:
+    def lookup(
+        self, tokens: list[int], resolutions: tuple[str, ...] | None = None, limit: int | None = None
+    ) -> list[list[str]]:
         """Stored resolutions (of `resolutions`, default the configured `fetch`) of each leading chunk
-        that has any; stops at the first chunk with none."""
+        that has any; stops at the first chunk with none, or after `limit` chunks."""
         resolutions = resolutions or self.config.fetch
-        limit = self.reusable_chunks(len(tokens))
+        reusable = self.reusable_chunks(len(tokens))
+        limit = reusable if limit is None else min(limit, reusable)
         keys = {name: self.keys(tokens, name)[:limit] for name in resolutions}
         available: list[list[str]] = []
         for index in range(limit):
@@ -269,7 +274,8 @@ class PrefixCache:
             tokens: The prompt.
             resolutions: Resolutions to choose from (default: the configured `fetch`).
             chunks: Fetch exactly these chunk indices (those stored; never recomputed) instead of
-                the leading run the planner picks, e.g. a drafter's window of the prefix.
+                the leading run the planner picks, e.g. a drafter's window of the prefix. Negative
+                indices count from the end of the stored run, as in Python.
 
         Never raises for store or data faults: they end the fetch early and are logged.
         """
@@ -285,7 +291,9 @@ class PrefixCache:
             self._fail(stats, error, 0, None)
             return fetched
         stats.stored_tokens = len(available) * self.config.chunk_tokens
-        indices = list(range(len(available))) if chunks is None else sorted(i for i in set(chunks) if 0 <= i < len(available))
+        stored = len(available)
+        wanted = range(stored) if chunks is None else {i + stored if i < 0 else i for i in chunks}
+        indices = sorted(i for i in wanted if 0 <= i < stored)
         if indices:
             self._pipeline(tokens, available, indices, chunks is None, fetched)
         stats.fetched_tokens = fetched.num_tokens
