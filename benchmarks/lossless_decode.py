@@ -21,7 +21,7 @@ from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids
 from kvlab.generation import GenerationConfig, GenerationOutput, generate
 from kvlab.models import LoadedModel, load_model
-from kvlab.spec import SpecConfig, generate_lossless
+from kvlab.lossless import SpecConfig, generate_lossless
 
 # (label, mode, compressor name, compressor params, draft length, draft weights)
 SETTINGS: list[tuple[str, str, str | None, dict[str, object], int | str, str]] = [

@@ -34,7 +34,7 @@ from kvlab.data import document_token_ids
 from kvlab.generation import GenerationConfig, GenerationOutput, generate
 from kvlab.generation.scheduler import FetchAwareScheduler, Request
 from kvlab.models import LoadedModel, load_model
-from kvlab.spec import SpecConfig, generate_lossless
+from kvlab.lossless import SpecConfig, generate_lossless
 from kvlab.store import KVStore, create_store
 from kvlab.store.link import ThrottledStore
 from kvlab.store.prefix import PrefixCache, PrefixConfig

@@ -11,7 +11,7 @@ from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids
 from kvlab.generation import GenerationConfig, generate
 from kvlab.models import LoadedModel
-from kvlab.spec import SpecConfig, generate_lossless
+from kvlab.lossless import SpecConfig, generate_lossless
 
 pytestmark = pytest.mark.integration
 

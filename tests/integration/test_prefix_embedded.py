@@ -15,7 +15,7 @@ from kvlab.data import document_token_ids
 from kvlab.generation import GenerationConfig, generate
 from kvlab.generation.engine import GenerationStats, prefill
 from kvlab.models import LoadedModel
-from kvlab.spec import SpecConfig, generate_lossless
+from kvlab.lossless import SpecConfig, generate_lossless
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 
 pytestmark = pytest.mark.integration

@@ -8,8 +8,8 @@ import torch
 from kvlab.compress import compressors, create_compressor
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, generate
-from kvlab.spec import SpecConfig, generate_lossless, greedy_accept, rejection_sample
-from kvlab.spec.draft_length import DraftLengthController
+from kvlab.lossless import SpecConfig, generate_lossless, greedy_accept, rejection_sample
+from kvlab.lossless.draft_length import DraftLengthController
 from tests.conftest import tiny_llama
 
 # A lossy setting of every registered drafter (the matrix must cover the registry).
@@ -178,7 +178,7 @@ def test_disk_tier_layers_are_memory_mapped_files_removed_with_the_cache(tmp_pat
 
 
 def test_compare_modes_marks_lossless_identical_and_finds_the_lossy_divergence() -> None:
-    from kvlab.spec.compare import compare_modes, first_divergence
+    from kvlab.lossless.compare import compare_modes, first_divergence
 
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 5, 3], [1, 2, 3]) == 1

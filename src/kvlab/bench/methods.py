@@ -16,7 +16,7 @@ from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, GenerationOutput, generate
 from kvlab.generation.engine import ProgressCallback
 from kvlab.models import LoadedModel
-from kvlab.spec import SpecConfig, generate_lossless
+from kvlab.lossless import SpecConfig, generate_lossless
 
 MethodKind = Literal["full", "lossy", "lossless"]
 METHOD_KINDS: tuple[str, ...] = ("full", "lossy", "lossless")

@@ -11,8 +11,8 @@ from kvlab.compress import compressors
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig
 from kvlab.models import DEFAULT_MODEL, load_model
-from kvlab.spec import SpecConfig
-from kvlab.spec.compare import compare_modes
+from kvlab.lossless import SpecConfig
+from kvlab.lossless.compare import compare_modes
 
 
 class DemoCommand(Command):

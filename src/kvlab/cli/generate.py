@@ -15,7 +15,7 @@ from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, GenerationOutput, generate
 from kvlab.models import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
 from kvlab.models.draft_weights import DRAFT_WEIGHTS
-from kvlab.spec import SpecConfig, generate_lossless
+from kvlab.lossless import SpecConfig, generate_lossless
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 
 

@@ -25,7 +25,7 @@ from kvlab.store.prefix import FetchStats, PrefixSource
 from kvlab.timing import Stopwatch
 
 if TYPE_CHECKING:
-    from kvlab.spec.stats import SpecStats
+    from kvlab.lossless.stats import SpecStats
 
 ProgressCallback = Callable[[int], None]
 """Called after every decode step with the number of tokens that step produced (across rows)."""

@@ -7,7 +7,7 @@ import dataclasses
 from kvlab.compress import Compressor
 from kvlab.generation import GenerationConfig, GenerationOutput, generate
 from kvlab.models import LoadedModel
-from kvlab.spec.engine import SpecConfig, generate_lossless
+from kvlab.lossless.engine import SpecConfig, generate_lossless
 
 
 @dataclasses.dataclass(slots=True)

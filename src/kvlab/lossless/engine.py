@@ -35,10 +35,10 @@ from kvlab.generation.sampling import draw_tokens, select_next_tokens
 from kvlab.generation.stopping import StopChecker
 from kvlab.models import LoadedModel
 from kvlab.models.draft_weights import DRAFT_WEIGHTS, DraftWeights, draft_model
-from kvlab.spec.acceptance import accept_drafts
-from kvlab.spec.draft_length import DraftLengthController
-from kvlab.spec.remote_prefix import RemoteStart, remote_prefix_start
-from kvlab.spec.stats import SpecStats
+from kvlab.lossless.acceptance import accept_drafts
+from kvlab.lossless.draft_length import DraftLengthController
+from kvlab.lossless.remote_prefix import RemoteStart, remote_prefix_start
+from kvlab.lossless.stats import SpecStats
 from kvlab.store.prefix import PrefixSource
 from kvlab.store.resolution import exact_resolutions, get_resolution
 from kvlab.timing import Stopwatch
@@ -61,7 +61,7 @@ class SpecConfig:
         draft_weights: "same" drafts with the model itself (the paper's setting); "int8" drafts with an
             int8-weight copy, cheaper per step on a CPU (verification always uses the exact model).
         prefix_draft: With a prefix store: fetch the prefix at this low-bit resolution first and draft
-            from it while the bit-exact prefix transfers (`kvlab.spec.remote_prefix`); None fetches
+            from it while the bit-exact prefix transfers (`kvlab.lossless.remote_prefix`); None fetches
             only the exact prefix.
         prefix_draft_chunks: Low-bit chunks the drafter gets: the first one (attention sinks) and the
             last ones, so the extra transfer stays small (None: every stored chunk).

@@ -23,14 +23,14 @@ from kvlab.generation.engine import GenerationStats, prefill_pieces
 from kvlab.generation.sampling import draw_tokens
 from kvlab.models import LoadedModel
 from kvlab.models.draft_weights import draft_model
-from kvlab.spec.acceptance import accept_drafts
-from kvlab.spec.stats import SpecStats
+from kvlab.lossless.acceptance import accept_drafts
+from kvlab.lossless.stats import SpecStats
 from kvlab.store.prefix import FetchedPrefix, PrefixSource
 from kvlab.store.resolution import exact_resolutions
 from kvlab.timing import Stopwatch
 
-if TYPE_CHECKING:  # kvlab.spec.engine imports this module
-    from kvlab.spec.engine import SpecConfig
+if TYPE_CHECKING:  # kvlab.lossless.engine imports this module
+    from kvlab.lossless.engine import SpecConfig
 
 
 @dataclasses.dataclass(slots=True)

@@ -11,7 +11,7 @@ from kvlab.compress import create_compressor
 from kvlab.generation.config import GenerationConfig
 from kvlab.generation.engine import generate, prefill
 from kvlab.models import LoadedModel
-from kvlab.spec.engine import SpecConfig, generate_lossless
+from kvlab.lossless.engine import SpecConfig, generate_lossless
 from kvlab.store import KVStore, StoreUnavailableError, create_store
 from kvlab.store.link import ThrottledStore
 from kvlab.store.prefix import PrefixCache, PrefixConfig
@@ -358,8 +358,8 @@ def test_a_prefix_restored_with_gaps_keeps_the_rest_causal(model: LoadedModel) -
 @pytest.mark.parametrize("window", [None, 2])
 def test_after_the_remote_start_both_caches_hold_the_same_sequence(model: LoadedModel, window: int | None) -> None:
     from kvlab.generation.engine import GenerationStats
-    from kvlab.spec.remote_prefix import remote_prefix_start
-    from kvlab.spec.stats import SpecStats
+    from kvlab.lossless.remote_prefix import remote_prefix_start
+    from kvlab.lossless.stats import SpecStats
 
     spec_stats = SpecStats()
     prefix = make_cache(model, write=("exact", "int4"))
