@@ -20,8 +20,8 @@ import torch
 from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids
 from kvlab.generation import GenerationConfig, GenerationOutput, generate
+from kvlab.lossless import LosslessConfig, generate_lossless
 from kvlab.models import LoadedModel, load_model
-from kvlab.lossless import SpecConfig, generate_lossless
 
 # (label, mode, compressor name, compressor params, draft length, draft weights)
 SETTINGS: list[tuple[str, str, str | None, dict[str, object], int | str, str]] = [
@@ -45,7 +45,7 @@ def run(loaded: LoadedModel, prompts: list[list[int]], setting: tuple, new_token
     if mode == "lossless":
         assert compressor is not None
         return generate_lossless(
-            loaded, prompts, config, SpecConfig(compressor, draft_length, draft_weights=draft_weights)
+            loaded, prompts, config, LosslessConfig(compressor, draft_length, draft_weights=draft_weights)
         )
     return generate(loaded, prompts, config, compressor=compressor)
 
@@ -79,9 +79,9 @@ def main() -> None:
                     "setting": setting[0],
                     "decode_tokens_per_s": output.stats.decode_tokens_per_s,
                     "speedup": output.stats.decode_tokens_per_s / baseline[0],
-                    "acceptance_length": output.spec.acceptance_length if output.spec else None,
+                    "acceptance_length": output.lossless.acceptance_length if output.lossless else None,
                     "mean_draft_length": (
-                        sum(output.spec.draft_lengths) / len(output.spec.draft_lengths) if output.spec else None
+                        sum(output.lossless.num_draft_tokens_per_round) / len(output.lossless.num_draft_tokens_per_round) if output.lossless else None
                     ),
                     "identical_to_plain": tokens == baseline[1],
                 }

@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from kvlab.cache import KVCache, forward
 from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids
-from kvlab.generation.engine import prefill
+from kvlab.generation.prefill import prefill
 from kvlab.models import LoadedModel, load_model
 from kvlab.models.draft_weights import draft_model
 

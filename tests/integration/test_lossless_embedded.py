@@ -11,7 +11,7 @@ from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids
 from kvlab.generation import GenerationConfig, generate
 from kvlab.models import LoadedModel
-from kvlab.lossless import SpecConfig, generate_lossless
+from kvlab.lossless import LosslessConfig, generate_lossless
 
 pytestmark = pytest.mark.integration
 
@@ -48,10 +48,10 @@ def test_lossless_output_equals_plain_greedy(
     params: dict[str, object],
     draft_length: int | str,
 ) -> None:
-    spec = SpecConfig(create_compressor(name, **params), draft_length)  # type: ignore[arg-type]
+    spec = LosslessConfig(create_compressor(name, **params), draft_length)  # type: ignore[arg-type]
     output = generate_lossless(embedded_model, prompts, GenerationConfig(max_new_tokens=40), spec)
     assert [request.token_ids for request in output.requests] == plain_outputs
-    assert output.spec is not None and output.spec.accepted_tokens > 0
+    assert output.lossless is not None and output.lossless.num_accepted_tokens > 0
 
 
 def test_lossy_decoding_from_a_small_cache_diverges(

@@ -13,9 +13,10 @@ from kvlab.cli import main
 from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids
 from kvlab.generation import GenerationConfig, generate
-from kvlab.generation.engine import GenerationStats, prefill
+from kvlab.generation.outputs import GenerationStats
+from kvlab.generation.prefill import prefill
 from kvlab.models import LoadedModel
-from kvlab.lossless import SpecConfig, generate_lossless
+from kvlab.lossless import LosslessConfig, generate_lossless
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 
 pytestmark = pytest.mark.integration
@@ -53,7 +54,7 @@ def test_lossless_drafting_from_an_int4_prefix_is_identical(embedded_model: Load
     )
     generate(embedded_model, [document[:1100]], GenerationConfig(max_new_tokens=1), prefix=prefix)
     prefix.flush()
-    spec = SpecConfig(create_compressor("snapkv", compression_ratio=0.9), 8, prefix_draft="int4")
+    spec = LosslessConfig(create_compressor("snapkv", compression_ratio=0.9), 8, prefix_draft="int4")
     output = generate_lossless(embedded_model, [document[:1100]], config, spec, prefix=prefix)
     assert output.requests[0].token_ids == expected
     assert output.stats.prefix_reused_tokens == 4 * CHUNK

@@ -8,8 +8,8 @@ import torch
 from kvlab.compress import compressors, create_compressor
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, generate
-from kvlab.lossless import SpecConfig, generate_lossless, greedy_accept, rejection_sample
-from kvlab.lossless.draft_length import DraftLengthController
+from kvlab.lossless import LosslessConfig, generate_lossless, greedy_accept, rejection_sample
+from kvlab.lossless.draft_length import DraftLengthController, StepCosts
 from tests.conftest import tiny_llama
 
 # A lossy setting of every registered drafter (the matrix must cover the registry).
@@ -38,7 +38,7 @@ def test_greedy_output_equals_plain_decoding(name: str, draft_length: int | str)
     prompts = _prompts(60, 90, 45)
     config = GenerationConfig(max_new_tokens=40)
     expected = generate(loaded, prompts, config)
-    spec = SpecConfig(create_compressor(name, **DRAFTERS[name]), draft_length)  # type: ignore[arg-type]
+    spec = LosslessConfig(create_compressor(name, **DRAFTERS[name]), draft_length)  # type: ignore[arg-type]
     for batch in (prompts, prompts[:1]):
         output = generate_lossless(loaded, batch, config, spec)
         for index, request in enumerate(output.requests):
@@ -54,7 +54,7 @@ def test_greedy_output_equals_plain_decoding_across_eos() -> None:
     config = GenerationConfig(max_new_tokens=30)
     expected = generate(loaded, prompts, config)
     assert expected.requests[0].stop_reason == "eos"
-    output = generate_lossless(loaded, prompts, config, SpecConfig(create_compressor("snapkv", compression_ratio=0.5), 8))
+    output = generate_lossless(loaded, prompts, config, LosslessConfig(create_compressor("snapkv", compression_ratio=0.5), 8))
     assert [r.token_ids for r in output.requests] == [r.token_ids for r in expected.requests]
     assert [r.stop_reason for r in output.requests] == [r.stop_reason for r in expected.requests]
 
@@ -63,25 +63,25 @@ def test_greedy_output_equals_plain_decoding_across_eos() -> None:
 def test_an_identity_drafter_is_always_accepted(draft_length: int) -> None:
     loaded = tiny_llama(num_kv_heads=2)
     config = GenerationConfig(max_new_tokens=1 + 5 * (draft_length + 1), ignore_eos=True)
-    spec = SpecConfig(create_compressor("snapkv", compression_ratio=0.0), draft_length)
+    spec = LosslessConfig(create_compressor("snapkv", compression_ratio=0.0), draft_length)
     output = generate_lossless(loaded, _prompts(40), config, spec)
-    assert output.spec is not None
-    assert output.spec.acceptance_length == draft_length + 1
-    assert output.spec.accepted_tokens == output.spec.draft_tokens == 5 * draft_length
-    assert output.spec.accepted_per_position == [5] * draft_length
+    assert output.lossless is not None
+    assert output.lossless.acceptance_length == draft_length + 1
+    assert output.lossless.num_accepted_tokens == output.lossless.num_draft_tokens == 5 * draft_length
+    assert output.lossless.accepted_per_position == [5] * draft_length
 
 
 def test_stats_count_rounds_and_tokens() -> None:
     loaded = tiny_llama(num_kv_heads=2)
     output = generate_lossless(
         loaded, _prompts(40, 50), GenerationConfig(max_new_tokens=20, ignore_eos=True),
-        SpecConfig(create_compressor("streamingllm", budget=8), 4),
+        LosslessConfig(create_compressor("streamingllm", budget=8), 4),
     )
-    spec = output.spec
+    spec = output.lossless
     assert spec is not None and spec.rounds > 0
-    assert spec.draft_tokens == sum(spec.drafted_per_position)
-    assert spec.accepted_tokens == sum(spec.accepted_per_position)
-    assert spec.acceptance_length == pytest.approx((spec.accepted_tokens + spec.rounds) / spec.rounds)
+    assert spec.num_draft_tokens == sum(spec.drafted_per_position)
+    assert spec.num_accepted_tokens == sum(spec.accepted_per_position)
+    assert spec.acceptance_length == pytest.approx((spec.num_accepted_tokens + spec.rounds) / spec.rounds)
     assert spec.draft_s > 0 and spec.verify_s > 0
     assert all(len(r.token_ids) == 20 for r in output.requests)
 
@@ -120,61 +120,33 @@ def test_rejection_sampling_reproduces_the_target_distribution() -> None:
 def test_sampled_speculative_decoding_is_seeded() -> None:
     loaded = tiny_llama(num_kv_heads=2)
     config = GenerationConfig(max_new_tokens=25, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
-    spec = SpecConfig(create_compressor("kivi", bits=2, group_size=8, residual_length=8), 4)
+    spec = LosslessConfig(create_compressor("kivi", bits=2, group_size=8, residual_length=8), 4)
     first = generate_lossless(loaded, _prompts(40), config, spec).requests[0].token_ids
     again = generate_lossless(loaded, _prompts(40), config, spec).requests[0].token_ids
     assert first == again and len(first) == 25
 
 
 def test_adaptive_draft_length_grows_with_acceptance_and_shrinks_without() -> None:
-    controller = DraftLengthController(initial_length=8, max_length=64)
-    assert controller.next_length() == 8
+    costs = StepCosts()
+    for _ in range(3):
+        costs.observe(0.04, num_draft_segments=4, num_verify_segments=0)  # 10 ms per draft segment
+        costs.observe(0.14, num_draft_segments=4, num_verify_segments=1)  # 100 ms per verify
+    assert costs.draft_s == pytest.approx(0.01) and costs.verify_s == pytest.approx(0.1)
+    controller = DraftLengthController(costs, initial_num_draft_tokens=8, max_num_draft_tokens=64)
+    assert controller.next_num_draft_tokens() == 8
     for _ in range(6):
-        controller.update(8, [8], draft_s=8 * 0.01, verify_s=0.1)
-    long = controller.next_length()
-    poor = DraftLengthController(initial_length=8, max_length=64)
+        controller.update(8, 8)
+    long = controller.next_num_draft_tokens()
+    poor = DraftLengthController(costs, initial_num_draft_tokens=8, max_num_draft_tokens=64)
     for _ in range(6):
-        poor.update(8, [0], draft_s=8 * 0.01, verify_s=0.1)
-    assert long >= 24 and poor.next_length() <= 2
+        poor.update(8, 0)
+    assert long >= 24 and poor.next_num_draft_tokens() <= 2
 
 
 @pytest.mark.parametrize("draft_length", [0, -3, "many"])
 def test_bad_draft_lengths_are_refused(draft_length: object) -> None:
-    with pytest.raises(ConfigError, match="draft length"):
-        SpecConfig(create_compressor("snapkv"), draft_length)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("schedule", ["staggered", "synchronous"])
-def test_disk_tier_and_schedules_give_the_memory_tiers_tokens(schedule: str) -> None:
-    loaded = tiny_llama(num_kv_heads=2)
-    prompts = _prompts(60, 35)
-    config = GenerationConfig(max_new_tokens=30)
-    drafter = create_compressor("snapkv", compression_ratio=0.8)
-    expected = generate_lossless(loaded, prompts, config, SpecConfig(drafter, 4))
-    output = generate_lossless(
-        loaded, prompts, config, SpecConfig(drafter, 4, full_kv_tier="disk", schedule=schedule)  # type: ignore[arg-type]
-    )
-    assert [r.token_ids for r in output.requests] == [r.token_ids for r in expected.requests]
-    assert output.spec is not None and output.spec.kv_load_s > 0
-
-
-def test_disk_tier_layers_are_memory_mapped_files_removed_with_the_cache(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from kvlab.cache import KVCache, forward
-    from kvlab.cache.tiers import DiskKVLayer, move_to_disk
-
-    loaded = tiny_llama(num_kv_heads=2)
-    cache = KVCache.allocate(loaded.architecture, 1, 32, loaded.dtype, "cpu")
-    ids = torch.randint(3, 96, (1, 20))
-    forward(loaded.model, cache, ids[:, :12])
-    disk = move_to_disk(cache, tmp_path)
-    assert all(isinstance(layer, DiskKVLayer) for layer in disk.layers)
-    assert len(list(tmp_path.rglob("*.bin"))) == 2 * len(disk.layers)
-    assert torch.equal(forward(loaded.model, disk, ids[:, 12:]), forward(loaded.model, cache, ids[:, 12:]))
-    del disk
-    import gc
-
-    gc.collect()
-    assert not list(tmp_path.rglob("*.bin"))
+    with pytest.raises(ConfigError, match="num_draft_tokens"):
+        LosslessConfig(create_compressor("snapkv"), draft_length)  # type: ignore[arg-type]
 
 
 def test_compare_modes_marks_lossless_identical_and_finds_the_lossy_divergence() -> None:
@@ -185,7 +157,7 @@ def test_compare_modes_marks_lossless_identical_and_finds_the_lossy_divergence()
     assert first_divergence([1, 2], [1, 2, 3]) == 2
     loaded = tiny_llama(num_kv_heads=2)
     compressor = create_compressor("streamingllm", budget=6)
-    results = compare_modes(loaded, _prompts(80)[0], GenerationConfig(max_new_tokens=30), compressor, SpecConfig(compressor, 4))
+    results = compare_modes(loaded, _prompts(80)[0], GenerationConfig(max_new_tokens=30), compressor, LosslessConfig(compressor, 4))
     by_mode = {result.mode: result for result in results}
     assert by_mode["full"].identical_to_full and by_mode["lossless"].identical_to_full
     assert not by_mode["lossy"].identical_to_full
@@ -197,7 +169,7 @@ def test_an_int8_weight_drafter_keeps_the_output_identical() -> None:
     prompts = _prompts(50, 70)
     config = GenerationConfig(max_new_tokens=30)
     expected = generate(loaded, prompts, config)
-    spec = SpecConfig(create_compressor("kivi", bits=4, group_size=8, residual_length=8), 6, draft_weights="int8")
+    spec = LosslessConfig(create_compressor("kivi", bits=4, group_size=8, residual_length=8), 6, draft_weights="int8")
     output = generate_lossless(loaded, prompts, config, spec)
     assert [r.token_ids for r in output.requests] == [r.token_ids for r in expected.requests]
-    assert output.spec is not None and output.spec.accepted_tokens > 0
+    assert output.lossless is not None and output.lossless.num_accepted_tokens > 0

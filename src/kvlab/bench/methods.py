@@ -14,9 +14,9 @@ from typing import Any, Literal
 from kvlab.compress import Compressor, compressors
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, GenerationOutput, generate
-from kvlab.generation.engine import ProgressCallback
+from kvlab.generation.outputs import ProgressCallback
+from kvlab.lossless import LosslessConfig, generate_lossless
 from kvlab.models import LoadedModel
-from kvlab.lossless import SpecConfig, generate_lossless
 
 MethodKind = Literal["full", "lossy", "lossless"]
 METHOD_KINDS: tuple[str, ...] = ("full", "lossy", "lossless")
@@ -151,7 +151,7 @@ def _run_lossless(
     """Lossless speculative decoding (VeriCache): draft from the compressed cache, verify with the full one."""
     drafter = method.build_compressor()
     assert drafter is not None  # MethodSpec guarantees a compressor for lossless methods
-    spec = SpecConfig(drafter=drafter, draft_length=method.num_draft_tokens or "auto")
+    spec = LosslessConfig(drafter=drafter, num_draft_tokens=method.num_draft_tokens or "auto")
     return generate_lossless(loaded, prompts, config, spec, on_progress=on_progress)
 
 

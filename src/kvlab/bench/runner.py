@@ -24,6 +24,7 @@ from kvlab.bench.system import environment_record, git_revision, track_peak_memo
 from kvlab.bench.tasks import Sample, Task, TaskData, tasks
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig
+from kvlab.lossless import LosslessOutput
 from kvlab.models import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -214,7 +215,7 @@ def measure_sample(
             output = run_method(loaded, method, [prompt], generation)
             outputs.append(output.requests[0])
             runs.append(dataclasses.asdict(output.stats))
-            outputs_spec.append(output.spec)
+            outputs_spec.append(output.lossless if isinstance(output, LosslessOutput) else None)
     request = outputs[0]
     if any(other.token_ids != request.token_ids for other in outputs[1:]):
         logger.warning("%s/%s: repeated greedy runs gave different outputs", method.label, sample.id)
@@ -236,7 +237,7 @@ def _spec_summary(spec_stats: list[Any]) -> dict[str, Any] | None:
     first = spec_stats[0]
     if first is None:
         return None
-    return {"acceptance_length": first.acceptance_length, "rounds": first.rounds, "draft_tokens": first.draft_tokens}
+    return {"acceptance_length": first.acceptance_length, "rounds": first.rounds, "draft_tokens": first.num_draft_tokens}
 
 
 def cell_fingerprint(model: str, task: Task, method: MethodSpec, config: BenchConfig) -> dict[str, Any]:

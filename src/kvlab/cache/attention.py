@@ -97,3 +97,100 @@ def _padded_causal(
     padded = torch.cat([padding, queries], dim=2)
     output = F.scaled_dot_product_attention(padded, keys, values, is_causal=True, scale=scaling, enable_gqa=gqa)
     return output[:, :, -num_queries:]
+
+
+def attend_newest(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal attention of one row's newest queries: the q queries are the last q of the T stored keys.
+
+    The fast path for decoding and verifying one sequence. Every query sees the first T - q keys, so
+    that part needs no mask: it runs with the query heads of each GQA group folded into query rows of
+    their KV head ([1, H_kv, G*q, D], no copy of the keys). The q x q causal block of the queries' own
+    keys runs apart, and the two are merged exactly by their log-sum-exp. Equal in argmax and close in
+    value to `attend_newest_reference` (the reduction order differs, so the last bits may too).
+
+    Args:
+        queries: [1, H, q, D], rotary applied.
+        keys: [1, H_kv, T, D] stored keys (T >= q), the queries' own keys last.
+        values: [1, H_kv, T, D].
+        scaling: Softmax scale.
+
+    Returns:
+        [1, H, q, D] in the queries' dtype.
+    """
+    _, heads, num_queries, dim = queries.shape
+    kv_heads, num_keys = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    num_prefix = num_keys - num_queries
+    folded = queries.reshape(1, kv_heads, group * num_queries, dim)
+    if num_queries == 1:
+        output, _ = attention_with_lse(folded, keys, values, scaling, causal=False)
+        return output.reshape(1, heads, 1, dim)
+    block_keys, block_values = keys[:, :, num_prefix:], values[:, :, num_prefix:]
+    if group > 1:
+        block_keys = block_keys.repeat_interleave(group, dim=1)
+        block_values = block_values.repeat_interleave(group, dim=1)
+    block, block_lse = attention_with_lse(queries, block_keys, block_values, scaling, causal=True)
+    if num_prefix == 0:
+        return block
+    prefix, prefix_lse = attention_with_lse(folded, keys[:, :, :num_prefix], values[:, :, :num_prefix], scaling, causal=False)
+    prefix = prefix.reshape(1, heads, num_queries, dim)
+    prefix_lse = prefix_lse.reshape(1, heads, num_queries)
+    return merge_attention(prefix, prefix_lse, block, block_lse).to(queries.dtype)
+
+
+def attend_newest_reference(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """`attend_newest` as one masked SDPA call with GQA expansion: the plain reference it is tested against."""
+    num_queries, num_keys = queries.shape[2], keys.shape[2]
+    positions = torch.arange(num_keys - num_queries, num_keys, device=queries.device)[None]
+    mask = visibility_mask(positions, [num_keys], num_keys)
+    gqa = queries.shape[1] != keys.shape[1]
+    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+
+
+def attention_with_lse(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output [B, H, q, D] and the log-sum-exp [B, H, q] (float32) of its scores.
+
+    Same number of query and key heads. `causal` with q == T masks the upper triangle. On CPU this is
+    the flash kernel that returns its log-sum-exp; elsewhere the plain formula.
+    """
+    if queries.device.type == "cpu":
+        output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            queries, keys, values, 0.0, causal, scale=scaling
+        )
+        return output, lse
+    return attention_with_lse_reference(queries, keys, values, scaling, causal)
+
+
+def attention_with_lse_reference(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention_with_lse` written out: softmax(q k^T * scale) v, in float32."""
+    scores = torch.matmul(queries.float(), keys.float().transpose(-1, -2)) * scaling
+    if causal:
+        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    output = torch.matmul(torch.exp(scores - lse[..., None]), values.float())
+    return output.to(queries.dtype), lse
+
+
+def merge_attention(
+    first: torch.Tensor, first_lse: torch.Tensor, second: torch.Tensor, second_lse: torch.Tensor
+) -> torch.Tensor:
+    """Attention over the union of two disjoint key sets from each set's output and log-sum-exp.
+
+    Args:
+        first, second: [B, H, q, D] outputs over each key set.
+        first_lse, second_lse: [B, H, q] log-sum-exp of each set's scaled scores.
+
+    Returns:
+        [B, H, q, D] float32: softmax over all keys, each output weighted by its share of the mass.
+    """
+    top = torch.maximum(first_lse, second_lse)
+    first_weight = torch.exp(first_lse - top)[..., None]
+    second_weight = torch.exp(second_lse - top)[..., None]
+    return (first.float() * first_weight + second.float() * second_weight) / (first_weight + second_weight)

@@ -1,8 +1,9 @@
 """kvlab's KV cache: the only code that stores, extends, crops and copies keys and values.
 
 A `KVCache` holds one layer object per model layer and the true sequence length of each batch row.
-Layers decide how they store tokens (`FullKVLayer` keeps every token in a preallocated buffer; the
-compressor issue adds compressed layers behind the same `KVLayer` contract). Rows of a batch may
+Layers decide how they store tokens (`FullKVLayer` keeps every token in a preallocated buffer;
+compressed layers in `kvlab.cache.compressed` and tiered ones in `kvlab.cache.tiers` keep the same
+`KVLayer` contract). Rows of a batch may
 hold different lengths, which is what speculative decoding needs after rows accept different
 numbers of tokens.
 """
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kvlab.cache.attention import attend
+from kvlab.cache.attention import attend, attend_newest
 from kvlab.compress.base import Compressor, full_kv_nbytes
 from kvlab.models.architecture import ModelArchitecture
 
@@ -40,6 +41,17 @@ class KVLayer(abc.ABC):
     @abc.abstractmethod
     def attend(self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention of `queries` [B, H, q, D] at `query_positions` [B, q] over the stored tokens."""
+
+    def attend_newest(self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float) -> torch.Tensor:
+        """`attend` for a layer holding one row whose newest stored tokens are the queries' own (the
+        packed per-sequence forwards of lossless decoding); layers with a faster kernel override it.
+
+        Args:
+            queries: [1, H, q, D], rotary applied.
+            query_positions: [1, q] int64 true positions.
+            scaling: Softmax scale.
+        """
+        return self.attend(queries, query_positions, scaling)
 
     @abc.abstractmethod
     def drop_last(self, counts: list[int]) -> None:
@@ -137,6 +149,12 @@ class FullKVLayer(KVLayer):
             scaling,
             sliding_window=window,
         )
+
+    def attend_newest(self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float) -> torch.Tensor:
+        num_keys = self.lengths[0]
+        if len(self.lengths) != 1 or (self.sliding_window is not None and num_keys > self.sliding_window):
+            return self.attend(queries, query_positions, scaling)
+        return attend_newest(queries, self.keys[:, :, :num_keys], self.values[:, :, :num_keys], scaling)
 
     def drop_last(self, counts: list[int]) -> None:
         if any(count < 0 or count > length for count, length in zip(counts, self.lengths)):
@@ -253,13 +271,16 @@ class KVCache:
     def provisional(self) -> Iterator[None]:
         """Tokens appended inside are provisional: compressed layers postpone compressing them, so a
         rollback (e.g. of rejected draft tokens) never has to undo a compression."""
-        for layer in self.layers:
-            layer.deferred = True
+        self.set_provisional(True)
         try:
             yield
         finally:
-            for layer in self.layers:
-                layer.deferred = False
+            self.set_provisional(False)
+
+    def set_provisional(self, provisional: bool) -> None:
+        """`provisional()` for code whose provisional span does not fit a `with` block."""
+        for layer in self.layers:
+            layer.deferred = provisional
 
     def crop(self, lengths: int | list[int]) -> None:
         """Roll every row back so it holds exactly its first `lengths[b]` tokens."""

@@ -103,3 +103,78 @@ def forward(
     """
     positions = cache.next_positions(input_ids.shape[1], input_ids.device)
     return run_step(model, ForwardStep(cache, positions, compress), input_ids, logits_to_keep)
+
+
+@dataclasses.dataclass(slots=True)
+class Segment:
+    """One sequence's tokens in a packed forward.
+
+    Attributes:
+        cache: The sequence's cache (a batch of one row); its stored tokens precede the segment's.
+        num_tokens: Tokens this segment feeds.
+        captured: When a list, each layer's new keys/values ([1, H_kv, q, D]) are appended to it.
+        compress: The segment completes the prompt: compressed layers compress it afterwards.
+    """
+
+    cache: KVCache
+    num_tokens: int
+    captured: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    compress: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class PackedStep:
+    """A forward over several sequences packed into one row of tokens, each attending over its own
+    cache (draft and full caches may mix). Linear layers read the weights once for every segment;
+    attention runs per segment, whose queries are always the newest keys of its cache."""
+
+    segments: list[Segment]
+    positions: list[torch.Tensor]  # per segment, [1, q] int64 true positions
+
+    def attend(
+        self, layer_idx: int, queries: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        outputs, start = [], 0
+        for segment, positions in zip(self.segments, self.positions):
+            end = start + segment.num_tokens
+            keys, values = new_keys[:, :, start:end], new_values[:, :, start:end]
+            if segment.captured is not None:
+                segment.captured.append((keys, values))
+            layer = segment.cache.layers[layer_idx]
+            layer.append(keys, values)
+            segment_queries = queries[:, :, start:end]
+            outputs.append(layer.attend_newest(segment_queries, positions, scaling))
+            if segment.compress:
+                layer.compress_prompt(segment_queries, scaling, layer_idx)
+            start = end
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+@torch.inference_mode()
+def run_packed(
+    model: PreTrainedModel, segments: list[Segment], token_ids: list[list[int]], logits_at: list[int]
+) -> torch.Tensor:
+    """Feed each segment's `token_ids` after what its cache holds, in one forward; advances the caches.
+
+    Args:
+        model: A model prepared by `kvlab.models.load_model`.
+        segments: One per sequence; `segments[i].num_tokens == len(token_ids[i])`.
+        token_ids: The tokens of each segment.
+        logits_at: Indices into the packed tokens whose logits are wanted.
+
+    Returns:
+        [len(logits_at), V] logits.
+    """
+    device = model.device
+    positions = [segment.cache.next_positions(segment.num_tokens, device) for segment in segments]
+    input_ids = torch.tensor([[token for tokens in token_ids for token in tokens]], dtype=torch.long, device=device)
+    output = model(
+        input_ids=input_ids,
+        position_ids=torch.cat(positions, dim=1),
+        use_cache=False,
+        logits_to_keep=torch.tensor(logits_at, device=device),
+        kvlab_step=PackedStep(segments, positions),
+    )
+    for segment in segments:
+        segment.cache.advance(segment.num_tokens)
+    return output.logits[0]

@@ -10,9 +10,9 @@ from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json
 from kvlab.compress import compressors
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig
-from kvlab.models import DEFAULT_MODEL, load_model
-from kvlab.lossless import SpecConfig
+from kvlab.lossless import LosslessConfig, LosslessOutput
 from kvlab.lossless.compare import compare_modes
+from kvlab.models import DEFAULT_MODEL, load_model
 
 
 class DemoCommand(Command):
@@ -36,7 +36,7 @@ class DemoCommand(Command):
             raise ConfigError(f"prompt file not found: {args.prompt_file}")
         compressor = compressors.create_from_strings(args.compressor, args.compressor_arg or ["compression_ratio=0.9"])
         draft_length = args.draft_length if args.draft_length == "auto" else int(args.draft_length)
-        spec = SpecConfig(compressor, draft_length)
+        spec = LosslessConfig(compressor, draft_length)
         loaded = load_model(args.model)
         prompt = loaded.encode_prompt(args.prompt_file.read_text(encoding="utf-8"))
         results = compare_modes(loaded, prompt, GenerationConfig(max_new_tokens=args.max_new_tokens), compressor, spec)
@@ -50,7 +50,7 @@ class DemoCommand(Command):
                         "first_divergence": r.first_divergence,
                         "decode_speedup_vs_full": r.speedup,
                         "kv_bytes_ratio": r.output.stats.kv_bytes_ratio,
-                        "acceptance_length": r.output.spec.acceptance_length if r.output.spec else None,
+                        "acceptance_length": r.output.lossless.acceptance_length if isinstance(r.output, LosslessOutput) else None,
                     }
                     for r in results
                 ]
@@ -60,9 +60,9 @@ class DemoCommand(Command):
         for result in results:
             stats = result.output.stats
             verdict = "identical to full KV" if result.identical_to_full else f"diverges at token {result.first_divergence}"
-            extra = f", acceptance length {result.output.spec.acceptance_length:.1f}" if result.output.spec else ""
+            extra = f", acceptance length {result.output.lossless.acceptance_length:.1f}" if isinstance(result.output, LosslessOutput) else ""
             # Lossless mode keeps the full KV for verification; the ratio is that of the drafter's cache.
-            which = "draft KV" if result.output.spec else "KV"
+            which = "draft KV" if isinstance(result.output, LosslessOutput) else "KV"
             print(f"== {result.mode}: {verdict}; {which} {stats.kv_bytes_ratio:.1f}x smaller than fp16, "
                   f"decode {stats.decode_tokens_per_s:.1f} tok/s ({result.speedup:.2f}x full){extra}")
             print(textwrap.indent(textwrap.fill(result.output.requests[0].text.strip(), 100), "   "), "\n")

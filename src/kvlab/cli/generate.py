@@ -7,15 +7,14 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from kvlab.cache.tiers import TIERS
 from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json
 from kvlab.cli.progress import TokenProgress
 from kvlab.compress import Compressor, compressors
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, GenerationOutput, generate
+from kvlab.lossless import LosslessConfig, LosslessOutput, generate_lossless
 from kvlab.models import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
 from kvlab.models.draft_weights import DRAFT_WEIGHTS
-from kvlab.lossless import SpecConfig, generate_lossless
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 
 
@@ -38,6 +37,11 @@ class GenerateCommand(Command):
         parser.add_argument("--stop", action="append", default=[], help="stop once the text contains this (repeatable)")
         parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
         parser.add_argument(
+            "--full-kv-tier", default="memory", metavar="TIER",
+            help="where the full KV lives while decoding: memory (default), host, disk (O_DIRECT reads), or "
+            "emulated:GBPS (reads pass a GBPS GB/s token bucket)",
+        )
+        parser.add_argument(
             "--compressor", help="decode from a KV cache compressed by this method (lossy; see `kvlab ls`)"
         )
         parser.add_argument(
@@ -51,13 +55,15 @@ class GenerateCommand(Command):
         lossless.add_argument("--lossless", action="store_true", help="draft from a compressed cache, verify with the full one")
         lossless.add_argument("--drafter", default="snapkv", help="compressor whose cache drafts (default snapkv)")
         lossless.add_argument("--drafter-arg", action="append", default=[], metavar="KEY=VALUE", help="drafter parameter")
-        lossless.add_argument("--draft-length", default="auto", help="tokens drafted per round, or 'auto' (default)")
-        lossless.add_argument("--full-kv-tier", default="memory", choices=TIERS, help="where the full KV lives")
+        lossless.add_argument(
+            "--num-draft-tokens", "--draft-length", dest="num_draft_tokens", default="auto",
+            help="tokens drafted per round, or 'auto' (default: adapted per sequence)",
+        )
         lossless.add_argument(
             "--schedule",
             default="staggered",
             choices=("staggered", "synchronous"),
-            help="load the full KV while drafting (staggered) or after it",
+            help="load a sequence's full KV while it drafts (staggered) or when it verifies",
         )
         lossless.add_argument(
             "--prefix-draft", choices=("int8", "int4"),
@@ -66,7 +72,7 @@ class GenerateCommand(Command):
         )
         lossless.add_argument(
             "--draft-weights", default="same", choices=DRAFT_WEIGHTS,
-            help="draft with the model itself or an int8-weight copy (CPU; verification stays exact)",
+            help="draft with the model itself or a bf16/int8-weight copy (verification stays exact)",
         )
         reuse = parser.add_argument_group("prefix reuse through a KV store")
         reuse.add_argument(
@@ -91,17 +97,18 @@ class GenerateCommand(Command):
             seed=args.seed,
             stop_strings=tuple(args.stop),
             ignore_eos=args.ignore_eos,
+            full_kv_tier=args.full_kv_tier,
         )
         compressor = _compressor(args)
-        spec = _spec_config(args)
+        lossless = _lossless_config(args)
         prefix_config = _prefix_config(args)
         loaded = load_model(args.model, dtype=args.dtype, device=args.device)
         prefix = None if prefix_config is None else PrefixCache.for_model(loaded, args.prefix_store, prefix_config)
         prompt_ids = loaded.encode_prompt(text, raw=args.raw)
         try:
             with TokenProgress(total=config.max_new_tokens, enabled=not args.json) as progress:
-                if spec is not None:
-                    output = generate_lossless(loaded, [prompt_ids], config, spec, progress.update, prefix=prefix)
+                if lossless is not None:
+                    output = generate_lossless(loaded, [prompt_ids], config, lossless, progress.update, prefix=prefix)
                 else:
                     output = generate(loaded, [prompt_ids], config, progress.update, compressor, prefix=prefix)
         finally:
@@ -121,26 +128,25 @@ def _prefix_config(args: argparse.Namespace) -> PrefixConfig | None:
     return PrefixConfig(chunk_tokens=args.prefix_chunk_tokens, write=names + low_bit, fetch=names)
 
 
-def _spec_config(args: argparse.Namespace) -> SpecConfig | None:
+def _lossless_config(args: argparse.Namespace) -> LosslessConfig | None:
     if not args.lossless:
-        if args.drafter_arg or args.draft_length != "auto" or args.draft_weights != "same" or args.prefix_draft:
-            raise ConfigError("--drafter-arg, --draft-length, --draft-weights and --prefix-draft need --lossless")
+        if args.drafter_arg or args.num_draft_tokens != "auto" or args.draft_weights != "same" or args.prefix_draft:
+            raise ConfigError("--drafter-arg, --num-draft-tokens, --draft-weights and --prefix-draft need --lossless")
         return None
     if args.prefix_draft and not args.prefix_store:
         raise ConfigError("--prefix-draft drafts from a stored prefix: add --prefix-store URL")
     if args.compressor is not None:
         raise ConfigError("--compressor decodes lossily; with --lossless choose the drafter with --drafter")
-    draft_length: int | str = args.draft_length
-    if draft_length != "auto":
+    num_draft_tokens: int | str = args.num_draft_tokens
+    if num_draft_tokens != "auto":
         try:
-            draft_length = int(draft_length)
+            num_draft_tokens = int(num_draft_tokens)
         except ValueError:
-            raise ConfigError(f"--draft-length must be a positive integer or 'auto', got {draft_length!r}") from None
+            raise ConfigError(f"--num-draft-tokens must be a positive integer or 'auto', got {num_draft_tokens!r}") from None
     drafter = compressors.create_from_strings(args.drafter, args.drafter_arg)
-    return SpecConfig(
+    return LosslessConfig(
         drafter,
-        draft_length,  # type: ignore[arg-type]
-        full_kv_tier=args.full_kv_tier,
+        num_draft_tokens,  # type: ignore[arg-type]
         schedule=args.schedule,
         draft_weights=args.draft_weights,
         prefix_draft=args.prefix_draft,
@@ -174,16 +180,16 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def _report(loaded: LoadedModel, output: GenerationOutput, compressor: Compressor | None, as_json: bool) -> None:
     request = output.requests[0]
     stats = dataclasses.asdict(output.stats)
-    if output.spec is not None:
-        spec = output.spec
+    if isinstance(output, LosslessOutput):
+        rounds = output.lossless
         stats.update(
-            acceptance_length=spec.acceptance_length,
-            rounds=spec.rounds,
-            draft_tokens=spec.draft_tokens,
-            accepted_tokens=spec.accepted_tokens,
-            draft_s=spec.draft_s,
-            verify_s=spec.verify_s,
-            kv_load_s=spec.kv_load_s,
+            acceptance_length=rounds.acceptance_length,
+            rounds=rounds.rounds,
+            num_draft_tokens=rounds.num_draft_tokens,
+            num_accepted_tokens=rounds.num_accepted_tokens,
+            draft_s=rounds.draft_s,
+            verify_s=rounds.verify_s,
+            kv_load_s=rounds.kv_load_s,
         )
     if as_json:
         print_json(
@@ -213,9 +219,9 @@ def _report(loaded: LoadedModel, output: GenerationOutput, compressor: Compresso
             f"({fetch.nbytes / 2**20:.1f} MiB in {fetch.fetch_s:.2f} s{failure})",
             file=sys.stderr,
         )
-    if output.spec is not None:
+    if isinstance(output, LosslessOutput):
         print(
-            f"lossless: {output.spec.rounds} rounds, acceptance length {output.spec.acceptance_length:.1f} "
-            f"({output.spec.accepted_tokens}/{output.spec.draft_tokens} drafts accepted)",
+            f"lossless: {output.lossless.rounds} rounds, acceptance length {output.lossless.acceptance_length:.1f} "
+            f"({output.lossless.num_accepted_tokens}/{output.lossless.num_draft_tokens} drafts accepted)",
             file=sys.stderr,
         )

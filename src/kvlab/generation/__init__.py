@@ -1,7 +1,8 @@
 """Plain (full-KV) generation: configuration, sampling, stopping and the decode loop."""
 
 from kvlab.generation.config import GenerationConfig
-from kvlab.generation.engine import GenerationOutput, GenerationStats, RequestOutput, generate
+from kvlab.generation.loop import generate
+from kvlab.generation.outputs import GenerationOutput, GenerationStats, RequestOutput
 from kvlab.generation.sampling import select_next_tokens, token_probabilities
 
 __all__ = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvlab.cache.tiers import TierSpec
 from kvlab.errors import ConfigError
 
 
@@ -23,6 +24,9 @@ class GenerationConfig:
             (None: one forward). A prefix store always prefills in its own chunks, so that a stored
             chunk has exactly the bits recomputing it gives; set this to the store's chunk size to get
             the same bits without a store.
+        full_kv_tier: Where the full KV lives while decoding: "memory", "host", "disk" or
+            "emulated:GBPS" (see `kvlab.cache.tiers`). Plain decoding reads it from there every step;
+            lossless decoding once per verify.
     """
 
     max_new_tokens: int = 256
@@ -32,6 +36,7 @@ class GenerationConfig:
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
     prefill_chunk_tokens: int | None = None
+    full_kv_tier: str = "memory"
 
     def __post_init__(self) -> None:
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
@@ -42,9 +47,14 @@ class GenerationConfig:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        TierSpec.parse(self.full_kv_tier)
         if any(not stop for stop in self.stop_strings):
             raise ConfigError("stop strings must not be empty")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def tier(self) -> TierSpec:
+        return TierSpec.parse(self.full_kv_tier)

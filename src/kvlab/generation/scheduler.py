@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvlab.generation.config import GenerationConfig
-from kvlab.generation.engine import GenerationOutput, generate
+from kvlab.generation import GenerationOutput, generate
 from kvlab.models import LoadedModel
 from kvlab.store.prefix import FetchedPrefix, LayerKV, PrefixCache
 

@@ -6,8 +6,9 @@ import dataclasses
 
 from kvlab.compress import Compressor
 from kvlab.generation import GenerationConfig, GenerationOutput, generate
+from kvlab.lossless.config import LosslessConfig
+from kvlab.lossless.engine import generate_lossless
 from kvlab.models import LoadedModel
-from kvlab.lossless.engine import SpecConfig, generate_lossless
 
 
 @dataclasses.dataclass(slots=True)
@@ -38,14 +39,14 @@ def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
 
 
 def compare_modes(
-    loaded: LoadedModel, prompt: list[int], config: GenerationConfig, compressor: Compressor, spec: SpecConfig
+    loaded: LoadedModel, prompt: list[int], config: GenerationConfig, compressor: Compressor, lossless: LosslessConfig
 ) -> list[ModeResult]:
-    """Decode `prompt` with the full cache, lossily from `compressor`'s cache, and losslessly with `spec`."""
+    """Decode `prompt` with the full cache, lossily from `compressor`'s cache, and losslessly with `lossless`."""
     full = generate(loaded, [prompt], config)
     outputs = {
         "full": full,
         "lossy": generate(loaded, [prompt], config, compressor=compressor),
-        "lossless": generate_lossless(loaded, [prompt], config, spec),
+        "lossless": generate_lossless(loaded, [prompt], config, lossless),
     }
     reference = full.requests[0].token_ids
     results = []

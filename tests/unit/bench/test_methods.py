@@ -70,4 +70,4 @@ def test_lossless_rows_reproduce_full_kv_output_token_for_token(label: str) -> N
     full = run_method(loaded, CATALOG["full"], [prompt], config).requests[0].token_ids
     lossless = run_method(loaded, CATALOG[label], [prompt], config)
     assert lossless.requests[0].token_ids == full
-    assert lossless.spec is not None and lossless.spec.rounds > 0
+    assert lossless.lossless is not None and lossless.lossless.rounds > 0

@@ -9,9 +9,10 @@ import torch
 
 from kvlab.compress import create_compressor
 from kvlab.generation.config import GenerationConfig
-from kvlab.generation.engine import generate, prefill
+from kvlab.generation import generate
+from kvlab.generation.prefill import prefill
 from kvlab.models import LoadedModel
-from kvlab.lossless.engine import SpecConfig, generate_lossless
+from kvlab.lossless import LosslessConfig, generate_lossless
 from kvlab.store import KVStore, StoreUnavailableError, create_store
 from kvlab.store.link import ThrottledStore
 from kvlab.store.prefix import PrefixCache, PrefixConfig
@@ -42,7 +43,7 @@ def reference(model: LoadedModel, prompt: list[int]) -> tuple[list[torch.Tensor]
 
 
 def restored(model: LoadedModel, prompt: list[int], prefix: PrefixCache) -> tuple[list[torch.Tensor], torch.Tensor, int]:
-    from kvlab.generation.engine import GenerationStats
+    from kvlab.generation.outputs import GenerationStats
 
     stats = GenerationStats()
     cache, _, logits = prefill(model, [prompt], len(prompt) + 4, prefix=prefix, stats=stats)
@@ -107,7 +108,7 @@ def test_lossless_decoding_with_a_prefix_store_is_identical(model: LoadedModel, 
     config = GenerationConfig(max_new_tokens=12, ignore_eos=True, prefill_chunk_tokens=CHUNK)
     expected = generate(model, [PROMPT], config).requests[0].token_ids
     prefix = make_cache(model)
-    spec = SpecConfig(create_compressor(drafter), draft_length=4)
+    spec = LosslessConfig(create_compressor(drafter), num_draft_tokens=4)
     generate_lossless(model, [PROMPT], config, spec, prefix=prefix)
     prefix.flush()
     output = generate_lossless(model, [PROMPT], config, spec, prefix=prefix)
@@ -122,7 +123,7 @@ def test_lossless_decoding_restores_its_verifier_from_exact_chunks_only(model: L
     generate(model, [PROMPT], config, prefix=prefix)
     prefix.flush()
     assert "int4" in generate(model, [PROMPT], config, prefix=prefix).stats.prefix_fetches[0].resolutions
-    output = generate_lossless(model, [PROMPT], config, SpecConfig(create_compressor("snapkv"), 4), prefix=prefix)
+    output = generate_lossless(model, [PROMPT], config, LosslessConfig(create_compressor("snapkv"), 4), prefix=prefix)
     assert output.requests[0].token_ids == expected
     assert output.stats.prefix_fetches[0].resolutions == {"exact": 4}
 
@@ -299,11 +300,13 @@ def test_drafting_from_a_low_bit_prefix_is_identical(
     prefix = make_cache(model, write=("exact", "int4"))
     generate(model, prompts[:2], config, prefix=prefix)
     prefix.flush()
-    spec = SpecConfig(create_compressor(drafter), draft_length=4, prefix_draft="int4", prefix_draft_chunks=window)
+    spec = LosslessConfig(create_compressor(drafter), num_draft_tokens=4, prefix_draft="int4", prefix_draft_chunks=window)
     output = generate_lossless(model, prompts, config, spec, prefix=prefix)
     assert [r.token_ids for r in output.requests] == expected
     assert output.stats.prefix_reused_tokens == 4 * CHUNK + 2 * CHUNK
-    low, exact = output.stats.prefix_fetches[:2]
+    # Low-bit fetches happen at admission, exact ones land later: the first prompt's are the first of each.
+    low = output.stats.prefix_fetches[0]
+    exact = next(fetch for fetch in output.stats.prefix_fetches if "exact" in fetch.resolutions)
     # The first chunk and the last (window - 1) ones: a gap in the middle when the window is short.
     assert low.resolutions == {"int4": low_chunks} and exact.resolutions == {"exact": 4}
 
@@ -316,7 +319,7 @@ def test_drafting_from_a_low_bit_prefix_whose_exact_copy_is_gone_is_identical(mo
     prefix.flush()
     for key in prefix.keys(PROMPT, "exact"):
         prefix.store.delete(key)
-    spec = SpecConfig(create_compressor("snapkv"), draft_length=4, prefix_draft="int4")
+    spec = LosslessConfig(create_compressor("snapkv"), num_draft_tokens=4, prefix_draft="int4")
     output = generate_lossless(model, [PROMPT], config, spec, prefix=prefix)
     assert output.requests[0].token_ids == expected and output.stats.prefix_reused_tokens == 0
 
@@ -325,8 +328,8 @@ def test_prefix_draft_must_be_low_bit_and_needs_a_store(model: LoadedModel) -> N
     from kvlab.errors import ConfigError
 
     with pytest.raises(ConfigError, match="int8 or int4"):
-        SpecConfig(create_compressor("snapkv"), prefix_draft="exact")
-    spec = SpecConfig(create_compressor("snapkv"), prefix_draft="int4")
+        LosslessConfig(create_compressor("snapkv"), prefix_draft="exact")
+    spec = LosslessConfig(create_compressor("snapkv"), prefix_draft="int4")
     with pytest.raises(ConfigError, match="prefix store"):
         generate_lossless(model, [PROMPT], GenerationConfig(max_new_tokens=2), spec)
 
@@ -357,29 +360,31 @@ def test_a_prefix_restored_with_gaps_keeps_the_rest_causal(model: LoadedModel) -
 
 @pytest.mark.parametrize("window", [None, 2])
 def test_after_the_remote_start_both_caches_hold_the_same_sequence(model: LoadedModel, window: int | None) -> None:
-    from kvlab.generation.engine import GenerationStats
-    from kvlab.lossless.remote_prefix import remote_prefix_start
-    from kvlab.lossless.stats import SpecStats
+    from kvlab.lossless.remote_prefix import admit_remote
+    from kvlab.lossless.run import LosslessRun
 
-    spec_stats = SpecStats()
     prefix = make_cache(model, write=("exact", "int4"))
     generate(model, [PROMPT], GenerationConfig(max_new_tokens=1, prefill_chunk_tokens=CHUNK), prefix=prefix)
     prefix.flush()
     # A slow link, so that several tokens are drafted while the exact prefix transfers.
     prefix.store = ThrottledStore(prefix.store, bits_per_s=1e6, burst_bytes=1)
-    spec = SpecConfig(create_compressor("streamingllm", compression_ratio=0.0), 4, prefix_draft="int4",
-                      prefix_draft_chunks=window)
-    start = remote_prefix_start(
-        model, PROMPT, 128, prefix, spec, GenerationConfig(max_new_tokens=8, prefill_chunk_tokens=CHUNK), None, GenerationStats(), spec_stats, 6
+    lossless = LosslessConfig(
+        create_compressor("streamingllm", compression_ratio=0.0), 6, prefix_draft="int4", prefix_draft_chunks=window
     )
-    assert start is not None
-    accepted = len(start.emitted) - 1
-    assert spec_stats.draft_tokens > 1
+    config = GenerationConfig(max_new_tokens=8, prefill_chunk_tokens=CHUNK)
+    run = LosslessRun(model, config, lossless, 1, prefix)
+    assert admit_remote(run, 0, PROMPT, prefix)
+    while run.lossless_stats.rounds == 0:
+        run.step()
+    sequence = run.sequences[0]
+    accepted = len(run.rows.generated[0]) - 1
+    assert run.lossless_stats.num_draft_tokens > 1
     # Both hold the prompt and the accepted drafts: everything before the next token.
-    assert start.full.seq_lengths == start.draft.seq_lengths == [len(PROMPT) + accepted]
+    assert sequence.full is not None
+    assert sequence.full.seq_lengths == sequence.draft.seq_lengths == [len(PROMPT) + accepted]
     stored_low = (4 if window is None else window) * CHUNK
     rest = len(PROMPT) - 4 * CHUNK
-    for layer in start.draft.layers:  # keeps everything (ratio 0): window + rest of prompt + accepted drafts
+    for layer in sequence.draft.layers:  # keeps everything (ratio 0): window + rest of prompt + accepted drafts
         assert layer.lengths == [stored_low + rest + accepted]  # type: ignore[attr-defined]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvlab.generation.config import GenerationConfig
-from kvlab.generation.engine import generate
+from kvlab.generation import generate
 from kvlab.generation.scheduler import FetchAwareScheduler, Request
 from kvlab.models import LoadedModel
 from kvlab.store import create_store
