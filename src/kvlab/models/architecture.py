@@ -55,6 +55,7 @@ class ModelArchitecture:
                 f"model type {getattr(config, 'model_type', '?')!r} is not a decoder-only transformer kvlab supports "
                 f"(missing {error.name})"
             ) from None
+        _check_supported(text_config)
         num_kv_heads = int(getattr(text_config, "num_key_value_heads", None) or num_heads)
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
         return cls(
@@ -66,6 +67,28 @@ class ModelArchitecture:
             sliding_windows=_sliding_windows(text_config, num_layers),
             max_context=int(getattr(text_config, "max_position_embeddings", 0) or 2048),
         )
+
+
+def _check_supported(config: Any) -> None:
+    """Refuse configs whose attention kvlab's cache cannot compute, naming the missing feature."""
+    model_type = getattr(config, "model_type", "?")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConfigError(f"model type {model_type!r} is an encoder-decoder model; kvlab serves decoder-only models")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise ConfigError(
+            f"model type {model_type!r} soft-caps attention logits (attn_logit_softcapping={softcap}), which kvlab's "
+            "attention does not implement"
+        )
+    unknown_layers = sorted(set(getattr(config, "layer_types", None) or ()) - _ATTENTION_LAYER_TYPES)
+    if unknown_layers:
+        raise ConfigError(
+            f"model type {model_type!r} has {', '.join(unknown_layers)} layers; kvlab's cache implements only "
+            f"{' and '.join(sorted(_ATTENTION_LAYER_TYPES))} layers"
+        )
+
+
+_ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
 
 def _sliding_windows(config: Any, num_layers: int) -> tuple[int | None, ...]:
