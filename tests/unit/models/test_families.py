@@ -17,8 +17,9 @@ from kvlab.cache import KVCache, forward
 from kvlab.codec import create_codec
 from kvlab.compress import Compressor, compressors, create_compressor
 from kvlab.errors import ConfigError
-from kvlab.generation import GenerationConfig, GenerationOutput, GenerationStats, generate
+from kvlab.generation import GenerationConfig, GenerationStats, generate
 from kvlab.generation.prefill import prefill
+from kvlab.lossless import LosslessConfig, LosslessOutput, generate_lossless
 from kvlab.models import LoadedModel
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 from tests.conftest import transformers_greedy
@@ -33,10 +34,8 @@ OTHER_PROMPT = [(11 * i + 5) % 90 + 3 for i in range(60)]
 
 def generate_lossless_greedy(
     loaded: LoadedModel, prompts: list[list[int]], config: GenerationConfig, drafter: Compressor
-) -> GenerationOutput:
+) -> LosslessOutput:
     """Every lossless call of this module goes through here (the package's public entry point)."""
-    from kvlab.lossless import LosslessConfig, generate_lossless
-
     return generate_lossless(loaded, prompts, config, LosslessConfig(drafter, num_draft_tokens=4))
 
 
