@@ -45,6 +45,8 @@ from kvlab.timing import Stopwatch
 TIER_KINDS = ("memory", "host", "disk", "emulated")
 _ALIGN = 4096
 _DIR_PREFIX = "kvlab-tier-"
+# Bytes an idle emulated link may save up (a small burst, so reads cost their bandwidth).
+EMULATED_BURST_BYTES = 64 * 1024
 
 
 class TierError(KvlabError):
@@ -177,7 +179,7 @@ class DiskStorage(TierStorage):
             self._read_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         self._bounce = mmap.mmap(-1, self.head_bytes)
         self._bounce_tensor = torch.frombuffer(self._bounce, dtype=torch.uint8)
-        self._closer = weakref.finalize(self, _close_all, [self._write_fd, self._read_fd], self._bounce)
+        self._closer = weakref.finalize(self, _close_all, [self._write_fd, self._read_fd])
 
     def _offset(self, slot: int, part: int, head: int) -> int:
         return ((slot * 2 + part) * self.heads + head) * self.head_bytes
@@ -293,7 +295,7 @@ class TierLoader:
     def __init__(self, spec: TierSpec) -> None:
         self.spec = spec
         self.stats = TierStats()
-        self.bucket = TokenBucket(spec.gigabytes_per_s * 1e9, 1 << 20) if spec.gigabytes_per_s else None
+        self.bucket = TokenBucket(spec.gigabytes_per_s * 1e9, EMULATED_BURST_BYTES) if spec.gigabytes_per_s else None
         self._executor = (
             None if spec.kind == "memory" else ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlab-tier")
         )
@@ -384,7 +386,6 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _close_all(fds: list[int], bounce: mmap.mmap) -> None:
+def _close_all(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
-    bounce.close()

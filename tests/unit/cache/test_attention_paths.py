@@ -1,0 +1,62 @@
+"""Fast attention paths against their plain references: equal argmax, values within a stated tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.cache.attention import (
+    attend_newest,
+    attend_newest_reference,
+    attention_with_lse,
+    attention_with_lse_reference,
+    merge_attention,
+)
+
+# Float32 results of the split path differ from one masked kernel only in the reduction order.
+TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize("num_queries", [1, 2, 9, 33])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (4, 1)])
+@pytest.mark.parametrize("num_keys", [33, 300])
+def test_attend_newest_matches_the_masked_reference(num_queries: int, heads: int, kv_heads: int, num_keys: int) -> None:
+    generator = torch.Generator().manual_seed(num_queries * 100 + heads + num_keys)
+    queries = torch.randn(1, heads, num_queries, 64, generator=generator)
+    keys = torch.randn(1, kv_heads, num_keys, 64, generator=generator)
+    values = torch.randn(1, kv_heads, num_keys, 64, generator=generator)
+    fast = attend_newest(queries, keys, values, 0.125)
+    reference = attend_newest_reference(queries, keys, values, 0.125)
+    torch.testing.assert_close(fast, reference, rtol=TOLERANCE, atol=TOLERANCE)
+    assert torch.equal(fast.argmax(dim=-1), reference.argmax(dim=-1))
+
+
+def test_queries_that_are_all_the_keys_are_plain_causal_attention() -> None:
+    generator = torch.Generator().manual_seed(7)
+    queries = torch.randn(1, 4, 12, 16, generator=generator)
+    keys, values = torch.randn(1, 2, 12, 16, generator=generator), torch.randn(1, 2, 12, 16, generator=generator)
+    torch.testing.assert_close(
+        attend_newest(queries, keys, values, 0.25), attend_newest_reference(queries, keys, values, 0.25),
+        rtol=TOLERANCE, atol=TOLERANCE,
+    )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_kernel_with_log_sum_exp_matches_the_formula(causal: bool) -> None:
+    generator = torch.Generator().manual_seed(3)
+    queries = torch.randn(1, 3, 20, 32, generator=generator)
+    keys, values = torch.randn(1, 3, 20, 32, generator=generator), torch.randn(1, 3, 20, 32, generator=generator)
+    output, lse = attention_with_lse(queries, keys, values, 0.2, causal)
+    expected, expected_lse = attention_with_lse_reference(queries, keys, values, 0.2, causal)
+    torch.testing.assert_close(output, expected, rtol=TOLERANCE, atol=TOLERANCE)
+    torch.testing.assert_close(lse, expected_lse, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_merging_two_halves_equals_attention_over_the_union() -> None:
+    generator = torch.Generator().manual_seed(5)
+    queries = torch.randn(1, 2, 4, 8, generator=generator)
+    keys, values = torch.randn(1, 2, 30, 8, generator=generator), torch.randn(1, 2, 30, 8, generator=generator)
+    first = attention_with_lse_reference(queries, keys[:, :, :11], values[:, :, :11], 0.3, False)
+    second = attention_with_lse_reference(queries, keys[:, :, 11:], values[:, :, 11:], 0.3, False)
+    whole, _ = attention_with_lse_reference(queries, keys, values, 0.3, False)
+    torch.testing.assert_close(merge_attention(*first, *second), whole, rtol=TOLERANCE, atol=TOLERANCE)
