@@ -164,12 +164,15 @@ def test_compare_modes_marks_lossless_identical_and_finds_the_lossy_divergence()
     assert by_mode["lossy"].first_divergence is not None
 
 
-def test_an_int8_weight_drafter_keeps_the_output_identical() -> None:
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_a_lower_precision_drafter_keeps_the_output_identical(weights: str) -> None:
     loaded = tiny_llama(num_kv_heads=2)
     prompts = _prompts(50, 70)
     config = GenerationConfig(max_new_tokens=30)
     expected = generate(loaded, prompts, config)
-    spec = LosslessConfig(create_compressor("kivi", bits=4, group_size=8, residual_length=8), 6, draft_weights="int8")
+    spec = LosslessConfig(
+        create_compressor("kivi", bits=4, group_size=8, residual_length=8), 6, draft_weights=weights  # type: ignore[arg-type]
+    )
     output = generate_lossless(loaded, prompts, config, spec)
     assert [r.token_ids for r in output.requests] == [r.token_ids for r in expected.requests]
     assert output.lossless is not None and output.lossless.num_accepted_tokens > 0

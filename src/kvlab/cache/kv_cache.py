@@ -140,8 +140,9 @@ class FullKVLayer(KVLayer):
         window = self.sliding_window
         if window is not None and num_keys <= window:
             window = None
-        return attend(
-            queries,
+        # A drafter with lower-precision weights sends queries in its dtype; keys stay in the cache's.
+        output = attend(
+            queries.to(self.keys.dtype),
             self.keys[:, :, :num_keys],
             self.values[:, :, :num_keys],
             query_positions,
@@ -149,12 +150,14 @@ class FullKVLayer(KVLayer):
             scaling,
             sliding_window=window,
         )
+        return output.to(queries.dtype)
 
     def attend_newest(self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float) -> torch.Tensor:
         num_keys = self.lengths[0]
         if len(self.lengths) != 1 or (self.sliding_window is not None and num_keys > self.sliding_window):
             return self.attend(queries, query_positions, scaling)
-        return attend_newest(queries, self.keys[:, :, :num_keys], self.values[:, :, :num_keys], scaling)
+        keys, values = self.keys[:, :, :num_keys], self.values[:, :, :num_keys]
+        return attend_newest(queries.to(keys.dtype), keys, values, scaling).to(queries.dtype)
 
     def drop_last(self, counts: list[int]) -> None:
         if any(count < 0 or count > length for count, length in zip(counts, self.lengths)):

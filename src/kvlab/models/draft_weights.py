@@ -17,15 +17,21 @@ from transformers import PreTrainedModel
 
 from kvlab.errors import ConfigError
 
-DraftWeights = Literal["same", "int8"]
-DRAFT_WEIGHTS: tuple[DraftWeights, ...] = ("same", "int8")
+DraftWeights = Literal["same", "bf16", "int8"]
+DRAFT_WEIGHTS: tuple[DraftWeights, ...] = ("same", "bf16", "int8")
 
 # Keyed weakly by the original model, so a copy lives exactly as long as the model it was made from.
-_int8_copies: weakref.WeakKeyDictionary[PreTrainedModel, PreTrainedModel] = weakref.WeakKeyDictionary()
+_copies: dict[str, weakref.WeakKeyDictionary[PreTrainedModel, PreTrainedModel]] = {
+    "bf16": weakref.WeakKeyDictionary(),
+    "int8": weakref.WeakKeyDictionary(),
+}
 
 
 def draft_model(model: PreTrainedModel, weights: DraftWeights) -> PreTrainedModel:
-    """The model the drafter decodes with: `model` itself, or a cached int8-weight copy of it.
+    """The model the drafter decodes with: `model` itself, or a cached bf16- or int8-weight copy of it.
+
+    A bf16 copy computes in bf16 and hands back keys/values that the draft cache stores in its own
+    dtype; only drafting uses it, so output stays the exact model's.
 
     Raises:
         ConfigError: int8 weights were asked for on a device or torch build without int8 CPU kernels.
@@ -34,9 +40,16 @@ def draft_model(model: PreTrainedModel, weights: DraftWeights) -> PreTrainedMode
         return model
     if weights not in DRAFT_WEIGHTS:
         raise ConfigError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {weights!r}")
-    if model not in _int8_copies:
-        _int8_copies[model] = _int8_copy(model)
-    return _int8_copies[model]
+    copies = _copies[weights]
+    if model not in copies:
+        copies[model] = _int8_copy(model) if weights == "int8" else _bf16_copy(model)
+    return copies[model]
+
+
+def _bf16_copy(model: PreTrainedModel) -> PreTrainedModel:
+    if next(model.parameters()).dtype == torch.bfloat16:
+        return model
+    return copy.deepcopy(model).to(torch.bfloat16)
 
 
 def _int8_copy(model: PreTrainedModel) -> PreTrainedModel:
