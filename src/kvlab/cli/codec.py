@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json
 from kvlab.cli.progress import TokenProgress
-from kvlab.codec import CodecError, codecs, decode_frame
+from kvlab.codec import DEFAULT_MAX_DECODED_BYTES, CodecError, ExpectedFrame, codecs, decode_frame
 from kvlab.codec.bench import DEFAULT_CASES, CodecBenchStats, bench_codecs, collect_kv
 from kvlab.errors import ConfigError
 from kvlab.models import DEFAULT_MODEL, load_model
@@ -42,6 +42,11 @@ class CodecCommand(Command):
         decode = verbs.add_parser("decode", help="decode a file written by `kvlab codec encode`")
         decode.add_argument("input", type=Path, help="safetensors file of frames")
         decode.add_argument("output", type=Path, help="safetensors file of tensors to write")
+        decode.add_argument(
+            "--max-tensor-bytes", type=int, default=DEFAULT_MAX_DECODED_BYTES, metavar="BYTES",
+            help="refuse frames that decode to more than this (checked before decoding; "
+                 f"default {DEFAULT_MAX_DECODED_BYTES >> 20} MiB)",
+        )
         add_json_flag(decode)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -108,13 +113,16 @@ def _encode(args: argparse.Namespace) -> int:
 
 
 def _decode(args: argparse.Namespace) -> int:
+    if args.max_tensor_bytes < 1:
+        raise ConfigError(f"--max-tensor-bytes must be at least 1, got {args.max_tensor_bytes}")
+    expected = ExpectedFrame(max_bytes=args.max_tensor_bytes)
     frames = _load(args.input, expect_frames=True)
     tensors: dict[str, torch.Tensor] = {}
     for name, frame in frames.items():
         if frame.dtype != torch.uint8 or frame.dim() != 1:
             raise ConfigError(f"{args.input}: tensor {name!r} is not a codec frame (uint8 vector)")
         try:
-            tensors[name] = decode_frame(frame.numpy().tobytes())
+            tensors[name] = decode_frame(frame.numpy().tobytes(), expected)
         except CodecError as error:
             raise ConfigError(f"{args.input}: tensor {name!r}: {error}") from None
     save_file(tensors, str(args.output))

@@ -15,12 +15,14 @@ import torch
 from kvlab.codec import byteplane, cachegen, quant_zstd, raw, video, zstd
 from kvlab.codec.base import Codec, Lossless, codecs
 from kvlab.codec.errors import CodecError
-from kvlab.codec.framing import FrameHeader, read_frame
+from kvlab.codec.framing import DEFAULT_MAX_DECODED_BYTES, ExpectedFrame, FrameHeader, read_frame
 from kvlab.codec.streaming import StreamDecoder, codec_for_header
 
 __all__ = [
+    "DEFAULT_MAX_DECODED_BYTES",
     "Codec",
     "CodecError",
+    "ExpectedFrame",
     "FrameHeader",
     "Lossless",
     "StreamDecoder",
@@ -49,7 +51,10 @@ def read_header(data: bytes | bytearray | memoryview) -> FrameHeader:
     return read_frame(data)[0]
 
 
-def decode_frame(data: bytes | bytearray | memoryview) -> torch.Tensor:
-    """Decode a frame with the codec and parameters its header names."""
-    return codec_for_header(read_header(data)).decode(data)
+def decode_frame(data: bytes | bytearray | memoryview, expected: ExpectedFrame | None = None) -> torch.Tensor:
+    """Decode a frame with the codec and parameters its header names, if `expected` (default: any
+    tensor up to `DEFAULT_MAX_DECODED_BYTES`) allows what the header describes."""
+    header = read_header(data)
+    (expected or ExpectedFrame()).check(header)
+    return codec_for_header(header).decode(data, expected)
 

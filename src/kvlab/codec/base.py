@@ -74,10 +74,19 @@ class Codec(abc.ABC):
             self.name, self.layout(), self.params(), tensor.dtype, tuple(tensor.shape), self.chunk_tokens, payloads
         )
 
-    def decode(self, data: bytes | bytearray | memoryview) -> torch.Tensor:
-        """The tensor a frame holds; raises `CodecError` for any frame this codec did not write intact."""
+    def decode(
+        self, data: bytes | bytearray | memoryview, expected: framing.ExpectedFrame | None = None
+    ) -> torch.Tensor:
+        """The tensor a frame holds; raises `CodecError` for any frame this codec did not write intact.
+
+        Args:
+            data: The frame.
+            expected: Shape, dtype and size the caller accepts (default: any, up to
+                `framing.DEFAULT_MAX_DECODED_BYTES`), checked before the output is allocated.
+        """
         header, payloads = framing.read_frame(data)
         self.check_header(header)
+        (expected or framing.ExpectedFrame()).check(header)
         decoded = torch.empty(header.shape, dtype=header.dtype)
         tokens = layouts.as_tokens(decoded)
         bounds = framing.chunk_bounds(tokens.shape[1], header.chunk_tokens)
@@ -161,9 +170,17 @@ def zstd_compress(data: bytes | memoryview, level: int) -> bytes:
 
 
 def zstd_decompress(data: bytes | memoryview, expected_size: int) -> bytes:
-    """Decompress exactly `expected_size` bytes; anything else is a `CodecError`."""
+    """Decompress exactly `expected_size` bytes; anything else is a `CodecError`, raised before more is allocated."""
     if expected_size == 0 and len(data) == 0:
         return b""
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError:
+        raise CodecError("zstd block has no valid frame header") from None
+    # python-zstandard allocates the content size a frame declares and ignores max_output_size then:
+    # a 16 KB block may declare gigabytes, so the declaration is checked first.
+    if 0 <= declared != expected_size:
+        raise CodecError(f"zstd block declares {declared} bytes, expected {expected_size}")
     output = zstandard.ZstdDecompressor().decompress(data, max_output_size=max(expected_size, 1))
     if len(output) != expected_size:
         raise CodecError(f"zstd block holds {len(output)} bytes, expected {expected_size}")

@@ -9,8 +9,11 @@ Layout (little-endian)::
     payloads the chunks' bytes, back to back, nothing after them
 
 The header checksum covers the chunk table, so every byte of a frame is covered by some checksum.
-Parsing checks sizes and checksums before anything is allocated for the decoded tensor. JSON holds
-the parameters because it is data, never code (no pickle anywhere).
+Checksums catch accidents, not intent: a frame from an untrusted source is parsed with every count
+bounded by the bytes actually present (chunk counts are computed, never enumerated), and a caller
+that knows what it expects (`ExpectedFrame`) rejects any other shape, dtype or size before anything
+is allocated for the decoded tensor. JSON holds the parameters because it is data, never code (no
+pickle anywhere).
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ MAX_NDIM = 8
 MAX_HEADER_BYTES = 1 << 26
 # Far above any KV cache, far below what a corrupted size field could ask a decoder to allocate.
 MAX_ELEMENTS = 1 << 40
+# What a decoder allocates for a frame when its caller states no tighter bound.
+DEFAULT_MAX_DECODED_BYTES = 1 << 30
+# Codec parameters are a handful of scalars; anything longer is not a frame this kvlab wrote.
+MAX_PARAMS_BYTES = 4096
 _NAME = re.compile(r"[a-z0-9_]{1,64}")
 _LAYOUT = re.compile(r"[a-z0-9_\-]{1,64}")
 _CHUNK_ENTRY = struct.Struct("<QI")
@@ -63,6 +70,44 @@ class FrameHeader:
     @property
     def payload_bytes(self) -> int:
         return sum(self.chunk_sizes)
+
+    @property
+    def decoded_bytes(self) -> int:
+        """Bytes of the tensor the frame decodes to."""
+        return math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpectedFrame:
+    """What a caller accepts from an untrusted frame, checked before the decoded tensor is allocated.
+
+    Attributes:
+        shape: The exact shape, or None for any; a None entry accepts any size on that axis.
+        dtype: The exact dtype, or None for any float dtype.
+        max_bytes: Largest decoded tensor, in bytes.
+    """
+
+    shape: tuple[int | None, ...] | None = None
+    dtype: torch.dtype | None = None
+    max_bytes: int = DEFAULT_MAX_DECODED_BYTES
+
+    def check(self, header: FrameHeader) -> None:
+        """Raise `CodecError` unless `header` describes a tensor this caller accepts."""
+        if self.shape is not None and (
+            len(header.shape) != len(self.shape)
+            or any(want is not None and got != want for got, want in zip(header.shape, self.shape))
+        ):
+            wanted = ", ".join("*" if size is None else str(size) for size in self.shape)
+            raise CodecError(f"frame holds shape {list(header.shape)}, expected [{wanted}]")
+        if self.dtype is not None and header.dtype != self.dtype:
+            raise CodecError(f"frame holds {header.dtype}, expected {self.dtype}")
+        if header.decoded_bytes > self.max_bytes:
+            raise CodecError(f"frame decodes to {header.decoded_bytes} bytes, above the limit of {self.max_bytes}")
+
+
+def num_chunks_for(num_tokens: int, chunk_tokens: int) -> int:
+    """How many chunks cover `num_tokens` tokens (arithmetic: a hostile size never builds a list)."""
+    return -(-num_tokens // chunk_tokens)
 
 
 def chunk_bounds(num_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
@@ -129,9 +174,12 @@ def parse_header(prefix: bytes, header: bytes) -> FrameHeader:
     chunk_tokens, num_chunks = reader.unpack("<II")
     if chunk_tokens < 1:
         raise CodecError("frame claims chunks of 0 tokens")
-    expected_chunks = len(chunk_bounds(token_geometry(shape)[1], chunk_tokens))
+    expected_chunks = num_chunks_for(token_geometry(shape)[1], chunk_tokens)
     if num_chunks != expected_chunks:
         raise CodecError(f"frame lists {num_chunks} chunks, its shape needs {expected_chunks}")
+    if num_chunks * _CHUNK_ENTRY.size > reader.remaining:
+        raise CodecError(f"truncated frame: {num_chunks} chunks listed, the header holds "
+                         f"{reader.remaining // _CHUNK_ENTRY.size}")
     entries = [_CHUNK_ENTRY.unpack(reader.take(_CHUNK_ENTRY.size)) for _ in range(num_chunks)]
     if not reader.at_end():
         raise CodecError("frame header has trailing bytes")
@@ -195,10 +243,13 @@ def unpack_sections(payload: bytes | memoryview, count: int | None = None) -> li
 
 
 def _parse_params(raw: memoryview) -> dict[str, Any]:
+    if len(raw) > MAX_PARAMS_BYTES:
+        raise CodecError(f"frame parameters take {len(raw)} bytes (at most {MAX_PARAMS_BYTES})")
     try:
         params = json.loads(bytes(raw).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CodecError(f"frame parameters are not valid JSON ({error})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        # Nesting deep enough to exhaust the parser's recursion is hostile, not a codec's parameters.
+        raise CodecError(f"frame parameters are not valid JSON ({type(error).__name__})") from None
     scalar = (str, int, float, bool, type(None))
     if not isinstance(params, dict) or not all(isinstance(v, scalar) for v in params.values()):
         raise CodecError("frame parameters must be a JSON object of scalars")
@@ -229,6 +280,10 @@ class _Reader:
         if not pattern.fullmatch(text):
             raise CodecError(f"invalid {what} {raw!r} in frame header")
         return text
+
+    @property
+    def remaining(self) -> int:
+        return len(self._data) - self._offset
 
     def at_end(self) -> bool:
         return self._offset == len(self._data)

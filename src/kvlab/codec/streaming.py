@@ -26,7 +26,7 @@ def codec_for_header(header: framing.FrameHeader) -> Codec:
     """The codec a frame header names, built with the header's parameters and checked against it."""
     try:
         codec = codecs.create(header.codec, **header.params)
-    except ConfigError as error:
+    except Exception as error:  # noqa: BLE001 - parameters come from untrusted bytes
         raise CodecError(f"frame names a codec this kvlab cannot build: {error}") from None
     codec.check_header(header)
     return codec
@@ -38,17 +38,25 @@ class StreamDecoder:
     Args:
         source: A binary stream positioned at the start of a frame (a file, a socket file, BytesIO).
         max_chunk_bytes: Largest chunk payload accepted; bounds the buffer.
+        expected: Shape, dtype and size of the restored tensor the caller accepts.
 
     Raises:
-        CodecError: The header is invalid or names a codec this kvlab cannot build.
+        CodecError: The header is invalid, is not what `expected` allows, or names a codec this
+            kvlab cannot build.
     """
 
-    def __init__(self, source: BinaryIO, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        source: BinaryIO,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        expected: framing.ExpectedFrame | None = None,
+    ) -> None:
         self._source = source
         self.max_chunk_bytes = max_chunk_bytes
         prefix = self._read_exact(framing.PREFIX.size, "frame prefix")
         header_length = framing.read_prefix(prefix)
         self.header = framing.parse_header(prefix, self._read_exact(header_length, "frame header"))
+        (expected or framing.ExpectedFrame()).check(self.header)
         self.codec = codec_for_header(self.header)
         self.peak_buffer_bytes = 0
         largest = max(self.header.chunk_sizes, default=0)

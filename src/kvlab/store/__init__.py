@@ -1,10 +1,13 @@
-"""KV store for prefix reuse: content keys, byte-store backends by URL scheme."""
+"""KV store for prefix reuse: content keys, byte-store backends by URL scheme, chunk authentication."""
 
 from kvlab.store import file, memory, redis
-from kvlab.store.base import KVStore, StoreUnavailableError, check_key, create_store, stores
+from kvlab.store.auth import ChunkAuthError, ChunkSealer, load_secret
+from kvlab.store.base import KVStore, StoreUnavailableError, check_key, create_store, redact_url, stores
 from kvlab.store.keys import chunk_keys, fingerprint
 
 __all__ = [
+    "ChunkAuthError",
+    "ChunkSealer",
     "KVStore",
     "StoreUnavailableError",
     "check_key",
@@ -12,7 +15,9 @@ __all__ = [
     "create_store",
     "file",
     "fingerprint",
+    "load_secret",
     "memory",
+    "redact_url",
     "redis",
     "stores",
 ]

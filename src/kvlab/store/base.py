@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import re
-from urllib.parse import urlparse
+from urllib.parse import urlsplit
 
 from kvlab.errors import ConfigError, KvlabError
 from kvlab.registry import Registry
@@ -24,7 +24,15 @@ class StoreUnavailableError(KvlabError):
 
 
 class KVStore(abc.ABC):
-    """A key-value store of byte strings. Batch methods default to loops; backends may do better."""
+    """A key-value store of byte strings. Batch methods default to loops; backends may do better.
+
+    Attributes:
+        url: Where the store is, with any password masked (`redact_url`): safe to print and log.
+        shared: Whether other processes can write to it (False only for a process-local store).
+    """
+
+    url: str = ""
+    shared: bool = True
 
     @abc.abstractmethod
     def put(self, key: str, data: bytes) -> None: ...
@@ -87,7 +95,25 @@ def check_bytes(data: bytes) -> bytes:
 
 def create_store(url: str) -> KVStore:
     """A store from its URL: `memory://`, `file:///path/to/dir`, ... (`kvlab ls` lists the schemes)."""
-    scheme = urlparse(url).scheme
+    try:
+        scheme = urlsplit(url).scheme
+    except ValueError:
+        scheme = ""
     if not scheme:
-        raise ConfigError(f"store URL {url!r} has no scheme; use one of: {', '.join(stores.names())}")
+        raise ConfigError(f"store URL {redact_url(url)!r} has no scheme; use one of: {', '.join(stores.names())}")
     return stores.get(scheme).from_url(url)  # type: ignore[attr-defined, no-any-return]
+
+
+def redact_url(url: str) -> str:
+    """`url` with its credentials masked: the one form of a store URL that messages, logs and JSON show.
+
+    Everything between `//` and the last `@` is credentials, even when a password holds unescaped
+    `@ : / # ?` that a URL parser would split elsewhere; the user name stays when a password follows it.
+    """
+    scheme, separator, rest = url.partition("://")
+    if not separator or "@" not in rest or rest.startswith("/"):
+        return url
+    userinfo, _, host_and_path = rest.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    shown = f"{user}:***" if colon and user and not {"/", "?", "#"} & set(user) else "***"
+    return f"{scheme}://{shown}@{host_and_path}"

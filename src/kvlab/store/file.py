@@ -1,78 +1,100 @@
-"""`file:///path`: one file per key under a root directory, written atomically."""
+"""`file:///path`: one file per key under a root directory, written atomically, never through a link.
+
+Others may write to a shared store directory, so every path below the root is resolved one component
+at a time against an open directory descriptor with `O_NOFOLLOW`: a bucket or key replaced by a
+symlink (even between a check and a write) makes the operation fail instead of reaching outside the
+root. Values are written to a temporary file that is renamed into place, so a reader never sees half
+a value; temporary files a killed writer left behind are removed once they are a minute old.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
-import tempfile
+import secrets
+import stat
+import time
+from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import unquote, urlparse
+from urllib.parse import unquote, urlsplit
 
 from kvlab.errors import ConfigError
 from kvlab.store.base import KVStore, StoreUnavailableError, check_bytes, check_key, check_prefix, is_key, stores
 
+TEMP_PREFIX = ".put-"
+# A write takes well under a second; a temporary file a minute old belongs to a writer that died.
+ORPHAN_AGE_S = 60.0
+# What opening a bucket meets when someone removed it or put a link or a file in its place.
+_REPLACED = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
 
 @stores.register("file")
 class FileStore(KVStore):
-    """One file per key under a root directory, written atomically.
+    """One file per key under a root directory (see the module docstring).
 
-    A key is stored as `root/<first two characters>/<key>`; a write goes to a temporary file that is
-    renamed into place, so a reader never sees half a value. I/O failures other than a missing key
-    (permissions, full disk, a vanished mount) raise StoreUnavailableError.
+    A key is stored as `root/<first two characters>/<key>`. I/O failures other than a missing key
+    (permissions, full disk, a vanished mount, a link where a bucket or value should be) raise
+    StoreUnavailableError. Values are created readable by their owner only: stored KV reveals the
+    prompts it came from.
     """
 
     def __init__(self, root: Path) -> None:
         self.root = root.resolve()
+        self.url = f"file://{self.root}"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise ConfigError(f"cannot create store directory {self.root}: {error.strerror}") from None
+        self._swept: dict[str, float] = {}
 
     @classmethod
     def from_url(cls, url: str) -> FileStore:
-        parsed = urlparse(url)
+        parsed = urlsplit(url)
         if parsed.netloc not in ("", "localhost") or not parsed.path:
             raise ConfigError(f"file store URLs look like file:///absolute/path, got {url!r}")
         return cls(Path(unquote(parsed.path)))
 
-    def _path(self, key: str) -> Path:
-        check_key(key)
-        path = (self.root / key[:2] / key).resolve()
-        # check_key already rules out separators; this guards the invariant itself.
-        if self.root not in path.parents:
-            raise ConfigError(f"store key {key!r} escapes the store root")
-        return path
-
     def put(self, key: str, data: bytes) -> None:
         payload = check_bytes(data)
-        path = self._path(key)
+        check_key(key)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            handle, staging = tempfile.mkstemp(prefix=".put-", dir=path.parent)
+            with self._bucket(key[:2], create=True) as bucket:
+                self._sweep(bucket, key[:2])
+                staging = f"{TEMP_PREFIX}{secrets.token_hex(8)}"
+                handle = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                 0o600, dir_fd=bucket)
+                try:
+                    with os.fdopen(handle, "wb") as file:
+                        file.write(payload)
+                    # rename() replaces a link planted under the key's name instead of following it.
+                    os.replace(staging, key, src_dir_fd=bucket, dst_dir_fd=bucket)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(staging, dir_fd=bucket)
+                    raise
         except OSError as error:
             raise self._unavailable("write", key, error) from error
-        try:
-            with os.fdopen(handle, "wb") as file:
-                file.write(payload)
-            os.replace(staging, path)
-        except BaseException as error:
-            Path(staging).unlink(missing_ok=True)
-            if isinstance(error, OSError):
-                raise self._unavailable("write", key, error) from error
-            raise
 
     def get(self, key: str) -> bytes | None:
-        path = self._path(key)
+        check_key(key)
         try:
-            return path.read_bytes()
+            with self._bucket(key[:2]) as bucket, self._value(bucket, key) as handle, \
+                    os.fdopen(os.dup(handle), "rb") as file:
+                return file.read()
         except FileNotFoundError:
             return None
         except OSError as error:
             raise self._unavailable("read", key, error) from error
 
     def delete(self, key: str) -> None:
-        path = self._path(key)
+        check_key(key)
         try:
-            path.unlink(missing_ok=True)
+            with self._bucket(key[:2]) as bucket:
+                os.unlink(key, dir_fd=bucket)
+        except FileNotFoundError:
+            return
         except OSError as error:
             raise self._unavailable("delete", key, error) from error
 
@@ -81,10 +103,11 @@ class FileStore(KVStore):
         found = []
         try:
             with os.scandir(self.root) as buckets:
-                for bucket in buckets:
-                    # A bucket is named by its keys' first two characters, so most can be skipped.
-                    if bucket.is_dir() and bucket.name.startswith(prefix[:2]):
-                        found.extend(self._bucket_keys(bucket.path, bucket.name, prefix))
+                # A bucket is named by its keys' first two characters, so most can be skipped.
+                names = [entry.name for entry in buckets
+                         if entry.is_dir(follow_symlinks=False) and entry.name.startswith(prefix[:2])]
+            for name in names:
+                found.extend(self._bucket_keys(name, prefix))
         except FileNotFoundError:
             return []
         except OSError as error:
@@ -92,29 +115,104 @@ class FileStore(KVStore):
         return sorted(found)
 
     def nbytes(self, key: str) -> int | None:
-        path = self._path(key)
+        check_key(key)
         try:
-            return path.stat().st_size
+            with self._bucket(key[:2]) as bucket, self._value(bucket, key) as handle:
+                return os.fstat(handle).st_size
         except FileNotFoundError:
             return None
         except OSError as error:
             raise self._unavailable("stat", key, error) from error
 
-    @staticmethod
-    def _bucket_keys(bucket: str, bucket_name: str, prefix: str) -> list[str]:
+    def sweep(self, max_age_s: float = ORPHAN_AGE_S) -> int:
+        """Remove temporary files older than `max_age_s` from every bucket; returns how many."""
+        removed = 0
+        with os.scandir(self.root) as buckets:
+            names = [entry.name for entry in buckets if entry.is_dir(follow_symlinks=False)]
+        for name in names:
+            try:
+                with self._bucket(name) as bucket:
+                    removed += self._sweep(bucket, name, max_age_s, force=True)
+            except OSError as error:
+                if error.errno not in _REPLACED:
+                    raise
+        return removed
+
+    @contextlib.contextmanager
+    def _bucket(self, name: str, create: bool = False) -> Iterator[int]:
+        """A descriptor of bucket `name`, opened without following links (FileNotFoundError when absent)."""
+        root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            with os.scandir(bucket) as scan:
-                entries = list(scan)
-        except FileNotFoundError:  # removed by hand while listing
-            return []
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o700, dir_fd=root)
+            try:
+                bucket = os.open(name, _DIR_FLAGS, dir_fd=root)
+            except OSError as error:
+                raise _link_error(error, name) from None
+        finally:
+            os.close(root)
+        try:
+            yield bucket
+        finally:
+            os.close(bucket)
+
+    @contextlib.contextmanager
+    def _value(self, bucket: int, key: str) -> Iterator[int]:
+        """A descriptor of the regular file holding `key`'s value, opened without following links."""
+        try:
+            handle = os.open(key, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=bucket)
+        except OSError as error:
+            raise _link_error(error, key) from None
+        try:
+            if not stat.S_ISREG(os.fstat(handle).st_mode):
+                raise OSError(errno.EINVAL, f"{key} is not a regular file")
+            yield handle
+        finally:
+            os.close(handle)
+
+    def _bucket_keys(self, name: str, prefix: str) -> list[str]:
+        try:
+            with self._bucket(name) as bucket:
+                self._sweep(bucket, name)
+                with os.scandir(bucket) as scan:
+                    entries = list(scan)
+        except OSError as error:
+            if error.errno in _REPLACED:  # removed, or replaced by a link, while listing
+                return []
+            raise
         # Temporary files start with "." and so are never keys; anything else that is not a key of this
-        # bucket was put there by hand and is not the store's.
+        # bucket, or not a regular file, was put there by hand and is not the store's.
         return [entry.name for entry in entries
-                if is_key(entry.name) and entry.name[:2] == bucket_name and entry.name.startswith(prefix)
-                and entry.is_file()]
+                if is_key(entry.name) and entry.name[:2] == name and entry.name.startswith(prefix)
+                and entry.is_file(follow_symlinks=False)]
+
+    def _sweep(self, bucket: int, name: str, max_age_s: float = ORPHAN_AGE_S, force: bool = False) -> int:
+        """Remove old temporary files from one bucket, at most once a minute per bucket unless `force`."""
+        now = time.time()
+        if not force and now - self._swept.get(name, 0.0) < ORPHAN_AGE_S:
+            return 0
+        self._swept[name] = now
+        removed = 0
+        with os.scandir(bucket) as scan:
+            for entry in scan:
+                if not entry.name.startswith(TEMP_PREFIX):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    if now - entry.stat(follow_symlinks=False).st_mtime > max_age_s:
+                        os.unlink(entry.name, dir_fd=bucket)
+                        removed += 1
+        return removed
 
     def _unavailable(self, action: str, key: str, error: OSError) -> StoreUnavailableError:
         return StoreUnavailableError(
             f"file store {self.root}: cannot {action} {key!r}: {error.strerror or error}; "
             "check that the directory exists, is writable by this user and its disk is not full"
         )
+
+
+def _link_error(error: OSError, name: str) -> OSError:
+    """An open that met a symlink (ELOOP, or ENOTDIR for a linked directory) says so."""
+    if error.errno in (errno.ELOOP, errno.ENOTDIR):
+        return OSError(error.errno, f"{name} is a link or not what the store put there; refusing to follow it")
+    return error

@@ -3,6 +3,10 @@
 Chunk i's key hashes chunk i-1's key with chunk i's token ids, so a key names the whole prefix up to
 the end of its chunk; the fingerprint (model, compressor, codec) keeps KV made differently apart.
 SHA-256 throughout: stable across processes and machines (Python's `hash` is salted per process).
+
+Without a salt, anyone who can list a store's keys can test whether a guessed prompt prefix was used
+(hash the guess, look for the key). A namespace salt (`cache_salt`, as in OpenAI-compatible servers)
+enters the fingerprint, so tenants with different salts share no keys and cannot probe each other's.
 """
 
 from __future__ import annotations
@@ -14,9 +18,14 @@ from typing import Any
 import numpy as np
 
 
-def fingerprint(model: str, compressor: dict[str, Any] | None, codec: dict[str, Any] | None) -> str:
-    """Hex digest identifying how a KV chunk was produced and encoded."""
-    canonical = json.dumps({"model": model, "compressor": compressor, "codec": codec}, sort_keys=True)
+def fingerprint(
+    model: str, compressor: dict[str, Any] | None, codec: dict[str, Any] | None, salt: str | None = None
+) -> str:
+    """Hex digest identifying how a KV chunk was produced and encoded, and in which namespace (`salt`)."""
+    described: dict[str, Any] = {"model": model, "compressor": compressor, "codec": codec}
+    if salt is not None:
+        described["salt"] = salt
+    canonical = json.dumps(described, sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 

@@ -23,6 +23,7 @@ class ThrottledStore(KVStore):
 
     def __init__(self, inner: KVStore, bits_per_s: float, latency_s: float = 0.0, burst_bytes: int = 64 * 1024) -> None:
         self.inner = inner
+        self.url, self.shared = inner.url, inner.shared
         self.bits_per_s = bits_per_s
         self.latency_s = latency_s
         self.bucket = TokenBucket(bits_per_s / 8, burst_bytes)

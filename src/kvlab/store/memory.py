@@ -11,6 +11,9 @@ from kvlab.store.base import KVStore, check_bytes, check_key, check_prefix, stor
 class MemoryStore(KVStore):
     """Keys and bytes in a dict guarded by a lock (safe across threads)."""
 
+    url = "memory://"
+    shared = False
+
     def __init__(self) -> None:
         self._data: dict[str, bytes] = {}
         self._lock = threading.Lock()

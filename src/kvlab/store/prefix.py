@@ -2,15 +2,14 @@
 
 `PrefixCache.fetch(tokens)` looks up which leading chunks of a prompt are stored, plans a resolution
 per chunk (`kvlab.store.planner`) from what it has measured so far (link throughput, decode speed,
-chunk sizes, prefill speed), and runs a pipeline: one thread transfers chunk i+1 while worker
-threads decode the chunks before it, and the caller restores them in order. Before every chunk it
-re-plans the rest, so a link that slows down shifts the remaining chunks to smaller resolutions or
-to recomputation. Any failure (store down, chunk missing, checksum mismatch, wrong shape) ends the
-fetch at that chunk: the caller recomputes from there, so output stays identical; the failure is
-logged once per fetch.
+chunk sizes, prefill speed), and runs the pipeline of `kvlab.store.fetcher`. Any fault (store down,
+chunk missing, authentication, checksum, geometry or dtype mismatch, NaN, an allocation that fails)
+ends the fetch at that chunk: the caller recomputes from there, so output stays identical; the fault
+is logged once per fetch, naming the chunk's key, and counted in `fault_counts`.
 
 `PrefixCache.save(tokens, start, layer_kv)` writes the complete chunks a prefill computed, at every
-configured resolution, from a background thread (`flush()` waits for it).
+configured resolution, from a background thread (`flush()` waits for it and raises what it could
+not handle). With a store secret (`kvlab.store.auth`) every chunk is authenticated.
 """
 
 from __future__ import annotations
@@ -18,31 +17,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
 
-from kvlab.cache import KVCache
-from kvlab.codec import CodecError
 from kvlab.errors import ConfigError
 from kvlab.models import LoadedModel, model_identity
+from kvlab.store.auth import ChunkAuthError, ChunkSealer, warn_if_unauthenticated
 from kvlab.store.base import KVStore, StoreUnavailableError, create_store
+from kvlab.store.fetched import FetchedPrefix, FetchStats, LayerKV
+from kvlab.store.fetcher import Estimates, Fault, PrefixFetcher
 from kvlab.store.keys import chunk_keys, fingerprint
-from kvlab.store.planner import RECOMPUTE, ResolutionCost, plan_chunks
-from kvlab.store.resolution import RESOLUTIONS, Resolution, decode_chunk, encode_chunk, get_resolution
+from kvlab.store.resolution import RESOLUTIONS, ChunkGeometry, encode_chunk, get_resolution
+from kvlab.store.writer import ChunkWriter
 
+__all__ = ["FetchStats", "FetchedPrefix", "LayerKV", "PrefixCache", "PrefixConfig", "PrefixSource"]
+
+# One logger name for every fetch fault, which users and tests filter on.
 logger = logging.getLogger("kvlab.store")
-
-LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
-"""Per layer, ([1, H_kv, T, D] keys, values), as a forward computes them."""
-
-_Arrival = tuple[int, str, "Future[tuple[torch.Tensor, torch.Tensor, float]] | None", int, float]
-"""A transferred chunk: index, resolution, its decoding (None: the store had nothing), bytes, seconds."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +53,9 @@ class PrefixConfig:
         prior_prefill_tokens_per_s: Recompute speed assumed before a prefill is measured.
         retry_after_s: After the store is found unreachable, skip it for this long.
         decode_workers: Chunks decoded at once (codecs release the GIL in zstd, numpy and torch).
+        cache_salt: Namespace of this deployment's or tenant's keys (like `cache_salt` of
+            OpenAI-compatible servers): prefixes are only shared between readers with the same salt,
+            and keys cannot be probed without it. None: the common namespace.
     """
 
     chunk_tokens: int = 256
@@ -71,12 +67,15 @@ class PrefixConfig:
     prior_prefill_tokens_per_s: float = 500.0
     retry_after_s: float = 30.0
     decode_workers: int = 2
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
             raise ConfigError(f"chunk_tokens must be at least 1, got {self.chunk_tokens}")
         if self.decode_workers < 1:
             raise ConfigError(f"decode_workers must be at least 1, got {self.decode_workers}")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ConfigError("cache_salt must be None or a non-empty string")
         if not self.fetch:
             raise ConfigError("fetch needs at least one resolution")
         for name in (*self.write, *self.fetch):
@@ -91,64 +90,6 @@ class PrefixConfig:
     def identical(self) -> bool:
         """Every fetchable resolution restores the original bits."""
         return all(RESOLUTIONS[name].exact for name in self.fetch)
-
-
-@dataclasses.dataclass(slots=True)
-class FetchStats:
-    """What one fetch did.
-
-    Attributes:
-        stored_tokens: Leading prompt tokens found in the store (whole chunks, capped so one prompt
-            token is always computed).
-        fetched_tokens: Tokens restored from the store.
-        nbytes: Bytes transferred.
-        fetch_s: Seconds from lookup to the last chunk decoded.
-        transfer_s: Seconds spent in store reads (overlapping decoding).
-        decode_s: Seconds spent decoding chunks.
-        resolutions: Chunks fetched per resolution.
-        failure: Why the fetch stopped early, if it did.
-    """
-
-    stored_tokens: int = 0
-    fetched_tokens: int = 0
-    nbytes: int = 0
-    fetch_s: float = 0.0
-    transfer_s: float = 0.0
-    decode_s: float = 0.0
-    resolutions: dict[str, int] = dataclasses.field(default_factory=dict)
-    failure: str | None = None
-
-
-@dataclasses.dataclass(slots=True)
-class FetchedPrefix:
-    """Restored KV of some of a prompt's chunks: per chunk, its first token and keys and values
-    `[L, H_kv, t, D]`. A plain fetch restores leading chunks without gaps."""
-
-    chunks: list[tuple[torch.Tensor, torch.Tensor]]
-    stats: FetchStats
-    starts: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens restored."""
-        return sum(keys.shape[2] for keys, _ in self.chunks)
-
-    @property
-    def end(self) -> int:
-        """Token index after the last restored chunk: where computing the prompt resumes."""
-        return self.starts[-1] + self.chunks[-1][0].shape[2] if self.chunks else 0
-
-    def restore_into(self, cache: KVCache, device: torch.device | str) -> None:
-        """Append every chunk, in order, to row 0 of a single-row `cache` whose tensors live on `device`.
-
-        Chunks after a gap are stored right after the previous ones (compacted) while the cache's
-        sequence length jumps over the gap, so later tokens get their true positions.
-        """
-        for start, (keys, values) in zip(self.starts, self.chunks):
-            if start > cache.seq_lengths[0]:
-                cache.advance(start - cache.seq_lengths[0])
-            layer_kv = [(keys[layer][None].to(device), values[layer][None].to(device)) for layer in range(keys.shape[0])]
-            cache.append(layer_kv, [keys.shape[2]])
 
 
 class PrefixSource(Protocol):
@@ -170,76 +111,82 @@ class PrefixSource(Protocol):
     def save(self, tokens: list[int], start: int, layer_kv: LayerKV) -> None: ...
 
 
-class _Estimates:
-    """Running measurements the planner reads (exponentially weighted, guarded by a lock)."""
-
-    def __init__(self, config: PrefixConfig) -> None:
-        self.bandwidth = config.prior_bandwidth_bits / 8
-        self.prefill_tokens_per_s = config.prior_prefill_tokens_per_s
-        self.ratio = {name: resolution.nominal_ratio for name, resolution in RESOLUTIONS.items()}
-        # Decode seconds per raw byte; priors measured on 2 CPU threads (byteplane ~650 MB/s).
-        self.decode_s_per_byte = {"raw": 1 / 4e9, "exact": 1 / 6.5e8, "int8": 1 / 4e8, "int4": 1 / 4e8}
-        self.lock = threading.Lock()
-
-    @staticmethod
-    def _blend(old: float, new: float, weight: float = 0.5) -> float:
-        return (1 - weight) * old + weight * new
-
-    def observe_transfer(self, nbytes: int, seconds: float) -> None:
-        if nbytes > 0 and seconds > 0:
-            with self.lock:
-                self.bandwidth = self._blend(self.bandwidth, nbytes / seconds)
-
-    def observe_decode(self, resolution: str, raw_bytes: int, stored_bytes: int, seconds: float) -> None:
-        if raw_bytes > 0 and stored_bytes > 0 and seconds > 0:
-            with self.lock:
-                self.decode_s_per_byte[resolution] = self._blend(self.decode_s_per_byte[resolution], seconds / raw_bytes)
-                self.ratio[resolution] = self._blend(self.ratio[resolution], raw_bytes / stored_bytes)
-
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds > 0:
-            with self.lock:
-                self.prefill_tokens_per_s = self._blend(self.prefill_tokens_per_s, tokens / seconds)
-
-
 class PrefixCache:
     """Reuse of prompt-prefix KV through `store` for one model.
 
     Args:
         store: Where chunks live (any `kvlab.store` backend, or a `ThrottledStore` around one).
         model_identity: `kvlab.models.model_identity(model)`: KV is only reused by the same model.
-        raw_bytes_per_token: fp32-equivalent bytes of one token's KV, all layers (sizes the planner's priors).
+        raw_bytes_per_token: fp32-equivalent bytes of one token's KV, all layers (sizes the planner's
+            priors, and bounds what a stored chunk may decode to).
         config: Chunking and resolutions.
+        geometry: What a stored chunk must hold for this model (`for_model` knows it); without it,
+            only the token count and the size bound are checked.
+        sealer: Chunk authentication (default: from `KVLAB_STORE_SECRET` / `KVLAB_STORE_SECRET_FILE`).
     """
 
-    def __init__(self, store: KVStore, model_identity: str, raw_bytes_per_token: int, config: PrefixConfig | None = None) -> None:
+    def __init__(
+        self,
+        store: KVStore,
+        model_identity: str,
+        raw_bytes_per_token: int,
+        config: PrefixConfig | None = None,
+        geometry: ChunkGeometry | None = None,
+        sealer: ChunkSealer | None = None,
+    ) -> None:
         self.store = store
         self.model_identity = model_identity
         self.raw_bytes_per_token = raw_bytes_per_token
         self.config = config or PrefixConfig()
-        self.estimates = _Estimates(self.config)
+        self.sealer = sealer or ChunkSealer.from_environment()
+        # An fp32 chunk of keys (or values) is half the chunk's fp32-equivalent bytes.
+        self.geometry = geometry or ChunkGeometry(self.config.chunk_tokens, raw_bytes_per_token * self.config.chunk_tokens // 2)
+        if self.geometry.num_tokens != self.config.chunk_tokens:
+            raise ConfigError(f"geometry of {self.geometry.num_tokens}-token chunks for chunk_tokens={self.config.chunk_tokens}")
+        self.estimates = Estimates(self.config)
+        self.fault_counts: dict[str, int] = {}
+        self._fetcher = PrefixFetcher(self.config, self.estimates, self.sealer, self.geometry, raw_bytes_per_token)
+        self._writer = ChunkWriter()
         self._down_until = 0.0
-        self._writes: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._writer: threading.Thread | None = None
-        self._write_failure_logged = False
+        warn_if_unauthenticated(self.sealer, store.url or type(store).__name__, store.shared)
 
     @classmethod
-    def for_model(cls, loaded: LoadedModel, store: KVStore | str, config: PrefixConfig | None = None) -> PrefixCache:
-        """A prefix cache for `loaded` on `store` (a store or its URL)."""
+    def for_model(
+        cls, loaded: LoadedModel, store: KVStore | str, config: PrefixConfig | None = None, sealer: ChunkSealer | None = None
+    ) -> PrefixCache:
+        """A prefix cache for `loaded` on `store` (a store or its URL) that accepts only chunks of its geometry and dtype."""
+        config = config or PrefixConfig()
+        sealer = sealer or ChunkSealer.from_environment()
         backend = create_store(store) if isinstance(store, str) else store
-        raw_bytes_per_token = loaded.architecture.kv_bytes_per_token(element_size=4)
-        return cls(backend, model_identity(loaded.model), raw_bytes_per_token, config)
+        architecture = loaded.architecture
+        raw_bytes_per_token = architecture.kv_bytes_per_token(element_size=4)
+        geometry = ChunkGeometry(
+            num_tokens=config.chunk_tokens,
+            max_bytes=architecture.kv_bytes_per_token(element_size=torch.empty(0, dtype=loaded.dtype).element_size())
+            * config.chunk_tokens // 2,
+            num_layers=architecture.num_layers,
+            num_kv_heads=architecture.num_kv_heads,
+            head_dim=architecture.head_dim,
+            dtype=loaded.dtype,
+        )
+        return cls(backend, model_identity(loaded.model), raw_bytes_per_token, config, geometry, sealer)
 
     @property
     def chunk_tokens(self) -> int:
         return self.config.chunk_tokens
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether chunks are authenticated under a store secret."""
+        return self.sealer.authenticated
 
     # ----- keys and lookup
 
     def keys(self, tokens: list[int], resolution: str) -> list[str]:
         """Store keys of the complete chunks of `tokens` at `resolution`."""
         described = {"resolution": resolution, **RESOLUTIONS[resolution].describe(), "chunk": self.config.chunk_tokens}
-        return chunk_keys(tokens, self.config.chunk_tokens, fingerprint(self.model_identity, None, described))
+        root = fingerprint(self.model_identity, None, described, self.config.cache_salt)
+        return chunk_keys(tokens, self.config.chunk_tokens, root)
 
     def reusable_chunks(self, num_tokens: int) -> int:
         """Chunks of a prompt of `num_tokens` that may be restored: at least one token is left to compute,
@@ -277,7 +224,8 @@ class PrefixCache:
                 the leading run the planner picks, e.g. a drafter's window of the prefix. Negative
                 indices count from the end of the stored run, as in Python.
 
-        Never raises for store or data faults: they end the fetch early and are logged.
+        Never raises for store or data faults (any `Exception`): they end the fetch early, are
+        logged once and counted. KeyboardInterrupt and SystemExit go on up.
         """
         started = time.perf_counter()
         stats = FetchStats()
@@ -285,140 +233,43 @@ class PrefixCache:
         if time.perf_counter() < self._down_until:
             stats.failure = "store marked unreachable"
             return fetched
+        available: list[list[str]] = []
         try:
             available = self.lookup(tokens, resolutions)
-        except Exception as error:  # noqa: BLE001 - any store fault means: recompute
-            self._fail(stats, error, 0, None)
-            return fetched
-        stats.stored_tokens = len(available) * self.config.chunk_tokens
-        stored = len(available)
-        wanted = range(stored) if chunks is None else {i + stored if i < 0 else i for i in chunks}
-        indices = sorted(i for i in wanted if 0 <= i < stored)
-        if indices:
-            self._pipeline(tokens, available, indices, chunks is None, fetched)
+            stats.stored_tokens = len(available) * self.config.chunk_tokens
+            stored = len(available)
+            wanted = range(stored) if chunks is None else {i + stored if i < 0 else i for i in chunks}
+            indices = sorted(i for i in wanted if 0 <= i < stored)
+            fault = None
+            if indices:
+                keys = {name: self.keys(tokens, name) for name in {name for here in available for name in here}}
+                fault = self._fetcher.run(self.store, keys, available, indices, chunks is None, fetched)
+        except Exception as error:  # noqa: BLE001 - any fault outside the pipeline: recompute everything
+            fault, fetched = Fault(error, -1, None), FetchedPrefix([], stats)
+        if fault is not None:
+            self._fail(stats, fault, len(available))
         stats.fetched_tokens = fetched.num_tokens
         stats.fetch_s = time.perf_counter() - started
         return fetched
 
-    def _plan(self, available: list[list[str]], allow_recompute: bool) -> list[str]:
-        """Resolutions for the chunks whose stored resolutions `available` lists, from the current estimates."""
-        chunk_bytes = self.raw_bytes_per_token * self.config.chunk_tokens
-        with self.estimates.lock:
-            bandwidth = self.estimates.bandwidth
-            options = [
-                [
-                    ResolutionCost(
-                        name,
-                        RESOLUTIONS[name].quality,
-                        chunk_bytes / self.estimates.ratio[name],
-                        chunk_bytes * self.estimates.decode_s_per_byte[name] / self.config.decode_workers,
-                    )
-                    for name in here
-                ]
-                for here in available
-            ]
-            # Recomputing chunk i attends over everything before it; prefill speed is measured on whole
-            # prompts, so per-chunk cost is its token count at that speed.
-            recompute = [self.config.chunk_tokens / self.estimates.prefill_tokens_per_s] * len(options)
-        return plan_chunks(
-            options,
-            recompute,
-            bandwidth,
-            quality_slack=self.config.quality_slack,
-            allow_recompute=allow_recompute and self.config.allow_recompute,
-        )
-
-    def _pipeline(
-        self, tokens: list[int], available: list[list[str]], indices: list[int], plan_cut: bool, fetched: FetchedPrefix
-    ) -> None:
-        """Transfer chunks `indices` in a thread and decode them on `decode_workers` threads; restore in
-        order here; stop at the planner's cut (when `plan_cut`) or the first fault."""
-        keys = {name: self.keys(tokens, name) for name in {name for here in available for name in here}}
-        arrivals: queue.Queue[_Arrival | BaseException | None] = queue.Queue(maxsize=self.config.decode_workers + 1)
-        stop = threading.Event()
-        decoders = ThreadPoolExecutor(self.config.decode_workers, thread_name_prefix="kvlab-prefix-decode")
-
-        def transfer() -> None:
-            try:
-                for position, index in enumerate(indices):
-                    if stop.is_set():
-                        break
-                    name = self._plan([available[i] for i in indices[position:]], plan_cut)[0]
-                    if name == RECOMPUTE:
-                        break
-                    clock = time.perf_counter()
-                    data = self.store.get(keys[name][index])
-                    seconds = time.perf_counter() - clock
-                    self.estimates.observe_transfer(len(data or b""), seconds)
-                    decoding = None if data is None else decoders.submit(self._decode, RESOLUTIONS[name], data)
-                    arrivals.put((index, name, decoding, len(data or b""), seconds))
-            except BaseException as error:  # noqa: BLE001 - handed to the restoring side
-                arrivals.put(error)
-            finally:
-                arrivals.put(None)
-
-        thread = threading.Thread(target=transfer, name="kvlab-prefix-fetch", daemon=True)
-        thread.start()
-        stats = fetched.stats
-        try:
-            while (item := arrivals.get()) is not None:
-                if isinstance(item, BaseException):
-                    self._fail(stats, item, indices[len(fetched.chunks)], len(available))
-                    break
-                index, name, decoding, nbytes, seconds = item
-                stats.transfer_s += seconds
-                if decoding is None:
-                    self._fail(stats, KeyError(f"chunk {index} ({name}) vanished from the store"), index, len(available))
-                    break
-                try:
-                    keys_tensor, values_tensor, decode_s = decoding.result()
-                except CodecError as error:
-                    self._fail(stats, error, index, len(available))
-                    break
-                stats.decode_s += decode_s
-                stats.nbytes += nbytes
-                stats.resolutions[name] = stats.resolutions.get(name, 0) + 1
-                raw = keys_tensor.numel() * 8  # keys + values at 4 bytes
-                self.estimates.observe_decode(name, raw, nbytes, decode_s)
-                fetched.chunks.append((keys_tensor, values_tensor))
-                fetched.starts.append(index * self.config.chunk_tokens)
-        finally:
-            stop.set()
-            # Unblock the transfer thread if it waits on a full queue, then let it finish.
-            while thread.is_alive():
-                try:
-                    arrivals.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-            thread.join()
-            decoders.shutdown(wait=True, cancel_futures=True)
-
-    def _decode(self, resolution: Resolution, data: bytes) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Keys, values and the seconds decoding took."""
-        clock = time.perf_counter()
-        keys, values = decode_chunk(resolution, data)
-        expected_tokens = self.config.chunk_tokens
-        if keys.dim() != 4 or keys.shape[2] != expected_tokens:
-            raise CodecError(f"stored chunk has shape {tuple(keys.shape)}, expected [L, H, {expected_tokens}, D]")
-        return keys, values, time.perf_counter() - clock
-
-    def _fail(self, stats: FetchStats, error: BaseException, index: int, total: int | None) -> None:
-        """Record and log (once per fetch) why the fetch ends at chunk `index` (`total`: None at lookup)."""
+    def _fail(self, stats: FetchStats, fault: Fault, total: int) -> None:
+        """Record, count and log why the fetch ends at chunk `fault.index` (-1: before any chunk)."""
+        error = fault.error
         stats.failure = f"{type(error).__name__}: {error}"
+        stats.failed_key, stats.faults = fault.key, 1
+        kind = "auth" if isinstance(error, ChunkAuthError) else "store" if isinstance(error, StoreUnavailableError) else type(error).__name__
+        self.fault_counts[kind] = self.fault_counts.get(kind, 0) + 1
         retry = ""
         if isinstance(error, StoreUnavailableError):
             self._down_until = time.perf_counter() + self.config.retry_after_s
             retry = f"; not trying the store again for {self.config.retry_after_s:g} s"
-        if total is None:
-            logger.warning("prefix lookup failed (%s); computing the whole prompt%s", stats.failure, retry)
+        where = self.store.url or type(self.store).__name__
+        if fault.index < 0:
+            logger.warning("prefix lookup in %s failed (%s); computing the whole prompt%s", where, stats.failure, retry)
             return
         logger.warning(
-            "prefix fetch stopped at chunk %d of %d (%s); recomputing from token %d%s",
-            index,
-            total,
-            stats.failure,
-            index * self.config.chunk_tokens,
-            retry,
+            "prefix fetch stopped at chunk %d of %d (key %s in %s: %s); recomputing from token %d%s",
+            fault.index, total, fault.key, where, stats.failure, fault.index * self.config.chunk_tokens, retry,
         )
 
     # ----- measurements from the engine
@@ -453,38 +304,32 @@ class PrefixCache:
             keys = torch.stack([k[0, :, begin : begin + size] for k, _ in layer_kv]).cpu()
             values = torch.stack([v[0, :, begin : begin + size] for _, v in layer_kv]).cpu()
             names = {name: keys_by_resolution[name][chunk] for name in self.config.write}
-            self._enqueue(functools.partial(self._write_chunk, names, keys, values))
+            self._writer.submit(functools.partial(self._write_chunk, names, keys, values))
 
     def _write_chunk(self, keys_by_resolution: dict[str, str], keys: torch.Tensor, values: torch.Tensor) -> None:
         for name, key in keys_by_resolution.items():
-            if not self.store.contains(key):
-                self.store.put(key, encode_chunk(RESOLUTIONS[name], keys, values))
+            if self._stored_intact(key):
+                continue
+            self.store.put(key, self.sealer.seal(key, encode_chunk(RESOLUTIONS[name], keys, values)))
 
-    def _enqueue(self, job: Callable[[], None]) -> None:
-        if self._writer is None or not self._writer.is_alive():
-            self._writer = threading.Thread(target=self._write_loop, name="kvlab-prefix-write", daemon=True)
-            self._writer.start()
-        self._writes.put(job)
-
-    def _write_loop(self) -> None:
-        while (job := self._writes.get()) is not None:
-            try:
-                job()
-            except Exception as error:  # noqa: BLE001 - saving is best effort
-                if not self._write_failure_logged:
-                    logger.warning("saving prefix chunks failed (%s: %s); generation is unaffected", type(error).__name__, error)
-                    self._write_failure_logged = True
-            finally:
-                self._writes.task_done()
-        self._writes.task_done()
+    def _stored_intact(self, key: str) -> bool:
+        """Whether `key` holds a value worth keeping: any value without a secret (values are write-once),
+        only one whose tag verifies with it (so a planted value is replaced, not kept forever)."""
+        if not self.sealer.authenticated:
+            return self.store.contains(key)
+        stored = self.store.get(key)
+        if stored is None:
+            return False
+        try:
+            self.sealer.open(key, stored)
+        except ChunkAuthError:
+            return False
+        return True
 
     def flush(self) -> None:
-        """Wait until every queued chunk is written (or failed)."""
-        self._writes.join()
+        """Wait until every queued chunk is written (or failed); raises what the writer could not handle."""
+        self._writer.flush()
 
     def close(self) -> None:
-        """Finish pending writes and stop the writer thread (the store stays open)."""
-        if self._writer is not None and self._writer.is_alive():
-            self._writes.put(None)
-            self._writer.join()
-        self._writer = None
+        """Finish pending writes and stop the writer thread (the store stays open); raises like `flush`."""
+        self._writer.close()

@@ -1,22 +1,46 @@
-"""`redis://host:port/db`: keys and bytes in a Redis server, shared across processes and machines."""
+"""`redis://`, `rediss://` (TLS) and `redis+unix://` (local socket): keys and bytes in a Redis server.
+
+URLs::
+
+    redis://[[user]:password@]host[:port][/db][?timeout=SECONDS]
+    rediss://[[user]:password@]host[:port][/db][?timeout=..&ssl_ca_certs=PEM&ssl_certfile=PEM&ssl_keyfile=PEM]
+    redis+unix://[[user]:password@]/path/to/redis.sock[?db=N&timeout=SECONDS]
+
+Credentials are percent-decoded (write `@ : / # ?` in a password as `%40 %3A %2F %23 %3F`); a URL
+without a password takes it from `KVLAB_REDIS_PASSWORD`, which, unlike a command line, other users
+cannot read in `ps`. Every message shows the URL through `redact_url`.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
-from typing import cast
-from urllib.parse import parse_qs, urlparse
+from pathlib import Path
+from typing import Any, cast
+from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvlab.errors import ConfigError
-from kvlab.store.base import KVStore, StoreUnavailableError, check_bytes, check_key, check_prefix, is_key, stores
+from kvlab.store.base import (
+    KVStore,
+    StoreUnavailableError,
+    check_bytes,
+    check_key,
+    check_prefix,
+    is_key,
+    redact_url,
+    stores,
+)
 
 DEFAULT_PORT = 6379
 DEFAULT_TIMEOUT_S = 5.0
 NAMESPACE = "kvlab:"
+PASSWORD_ENV = "KVLAB_REDIS_PASSWORD"
+TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 _SCAN_BATCH = 1000
 
 
@@ -24,43 +48,69 @@ _SCAN_BATCH = 1000
 class RedisStore(KVStore):
     """Values as Redis strings under `kvlab:<key>`, through a thread-safe connection pool.
 
-    URL: `redis://[:password@]host[:port][/db][?timeout=SECONDS]` (defaults localhost, 6379, db 0, 5 s
-    for connecting and for each reply). Connecting is lazy: a server that is down or unreachable shows
-    up as StoreUnavailableError from the first operation. Values are raw bytes (never pickled); the
+    Defaults: localhost, 6379, db 0, 5 s for connecting and for each reply (see the module docstring
+    for the URL forms). Connecting is lazy: a server that is down or unreachable shows up as
+    StoreUnavailableError from the first operation. Values are raw bytes (never pickled); the
     namespace keeps `keys()` to kvlab's own entries in a shared database.
+
+    Args:
+        url: The store's URL (kept only in redacted form).
+        address: `host:port` or the socket path, for messages.
+        connection: Keyword arguments of the redis-py connection class (`connection_class` among them).
     """
 
-    def __init__(self, url: str, host: str, port: int, db: int, timeout_s: float, password: str | None = None,
-                 username: str | None = None) -> None:
-        self.url, self.host, self.port = url, host, port
+    def __init__(self, url: str, address: str, connection: dict[str, Any]) -> None:
+        self.url, self.address = redact_url(url), address
         self._pool = redis.ConnectionPool(
-            host=host, port=port, db=db, username=username, password=password,
-            socket_connect_timeout=timeout_s, socket_timeout=timeout_s, decode_responses=False,
+            decode_responses=False,
             # One immediate retry replaces a pooled connection the server dropped (restart, idle
             # timeout); more retries with backoff would only delay the error when the server is down.
             retry=Retry(NoBackoff(), 1),
+            **connection,
         )
         self._client = redis.Redis(connection_pool=self._pool)
 
+    @property
+    def host(self) -> str:
+        return str(self._pool.connection_kwargs.get("host", "localhost"))
+
+    @property
+    def port(self) -> int:
+        return int(self._pool.connection_kwargs.get("port", DEFAULT_PORT))
+
     @classmethod
     def from_url(cls, url: str) -> RedisStore:
-        parsed = urlparse(url)
+        shown = redact_url(url)
         try:
+            parsed = urlsplit(url)
             port = parsed.port or DEFAULT_PORT
         except ValueError:
-            raise ConfigError(f"redis store URL {url!r} has an invalid port") from None
-        db_text = parsed.path.strip("/") or "0"
-        if not db_text.isdigit():
-            raise ConfigError(f"redis store URL {url!r}: the path must be a database number, e.g. redis://host:6379/0")
+            raise ConfigError(f"redis store URL {shown!r} has an invalid port or address") from None
+        if parsed.fragment:
+            raise ConfigError(f"redis store URL {shown!r} holds a '#': percent-encode @ : / # ? in passwords "
+                              "(%40 %3A %2F %23 %3F)")
         query = parse_qs(parsed.query, keep_blank_values=True)
-        unknown = sorted(set(query) - {"timeout"})
+        options = {"timeout"} | ({"db"} if parsed.scheme == "redis+unix" else set()) | \
+                  (set(TLS_OPTIONS) if parsed.scheme == "rediss" else set())
+        unknown = sorted(set(query) - options)
         if unknown:
-            raise ConfigError(f"redis store URL {url!r}: unknown option {unknown[0]!r}; the only option is timeout")
-        timeout_s = _parse_timeout(url, query.get("timeout", [str(DEFAULT_TIMEOUT_S)])[-1])
-        # The URL appears in error messages, so the password is masked there.
-        shown = url.replace(f":{parsed.password}@", ":***@") if parsed.password else url
-        return cls(shown, parsed.hostname or "localhost", port, int(db_text), timeout_s,
-                   password=parsed.password, username=parsed.username or None)
+            raise ConfigError(f"redis store URL {shown!r}: unknown option {unknown[0]!r}; options of "
+                              f"{parsed.scheme}://: {', '.join(sorted(options))}")
+        timeout_s = _parse_timeout(shown, _option(query, "timeout") or str(DEFAULT_TIMEOUT_S))
+        connection: dict[str, Any] = {"socket_timeout": timeout_s, **_credentials(parsed)}
+        if parsed.scheme == "redis+unix":
+            if not parsed.path:
+                raise ConfigError(f"redis store URL {shown!r}: give the socket path, e.g. redis+unix:///run/redis.sock")
+            connection.update(connection_class=redis.UnixDomainSocketConnection, path=unquote(parsed.path),
+                              db=_db(shown, _option(query, "db") or "0"))
+            return cls(url, unquote(parsed.path), connection)
+        host = parsed.hostname or "localhost"
+        connection.update(host=host, port=port, db=_db(shown, parsed.path.strip("/") or "0"),
+                          socket_connect_timeout=timeout_s)
+        if parsed.scheme == "rediss":
+            connection.update(connection_class=redis.SSLConnection, ssl_cert_reqs="required",
+                              **_tls_files(shown, query))
+        return cls(url, f"{host}:{port}", connection)
 
     def put(self, key: str, data: bytes) -> None:
         name, payload = _name(key), check_bytes(data)
@@ -121,30 +171,73 @@ class RedisStore(KVStore):
 
     @contextlib.contextmanager
     def _errors(self) -> Iterator[None]:
-        """Turn connection failures into StoreUnavailableError that names the URL and the fix."""
+        """Turn server and connection failures into StoreUnavailableError that names the URL and the fix."""
         try:
             yield
         except redis.exceptions.AuthenticationError as error:
             raise StoreUnavailableError(
-                f"redis store {self.url}: authentication failed ({error}); check the password in the URL"
+                f"redis store {self.url}: authentication failed ({error}); check the password in the URL "
+                f"or {PASSWORD_ENV}"
             ) from error
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as error:
-            raise StoreUnavailableError(
-                f"redis store {self.url} is unavailable ({error}); is redis-server running on "
-                f"{self.host}:{self.port}? start it with `redis-server --port {self.port}`, or fix the URL "
-                "(add ?timeout=SECONDS for a slow network)"
-            ) from error
+            if isinstance(self._pool.connection_kwargs.get("path"), str):
+                hint = f"is redis-server listening on the socket {self.address}? (redis-server --unixsocket PATH)"
+            else:
+                port = self.port
+                hint = (f"is redis-server running on {self.address}? start it with `redis-server --port {port}`, "
+                        "or fix the URL (add ?timeout=SECONDS for a slow network)")
+            raise StoreUnavailableError(f"redis store {self.url} is unavailable ({error}); {hint}") from error
+        except redis.exceptions.RedisError as error:
+            # Refusals such as OOM (maxmemory reached) or a read-only replica: the store cannot serve.
+            raise StoreUnavailableError(f"redis store {self.url} refused the request ({error})") from error
 
 
 def _name(key: str) -> str:
     return NAMESPACE + check_key(key)
 
 
-def _parse_timeout(url: str, text: str) -> float:
+def _option(query: dict[str, list[str]], name: str) -> str | None:
+    values = query.get(name)
+    return values[-1] if values else None
+
+
+def _credentials(parsed: SplitResult) -> dict[str, Any]:
+    username = unquote(parsed.username) if parsed.username else None
+    password = unquote(parsed.password) if parsed.password is not None else os.environ.get(PASSWORD_ENV)
+    return {"username": username or None, "password": password or None}
+
+
+def _db(shown: str, text: str) -> int:
+    if not text.isdigit():
+        raise ConfigError(f"redis store URL {shown!r}: the path must be a database number, e.g. redis://host:6379/0")
+    return int(text)
+
+
+def _tls_files(shown: str, query: dict[str, list[str]]) -> dict[str, str]:
+    files = {name: value for name in TLS_OPTIONS if (value := _option(query, name))}
+    for name, value in files.items():
+        if not Path(value).is_file():
+            raise ConfigError(f"redis store URL {shown!r}: {name} file {value!r} not found")
+    if ("ssl_certfile" in files) != ("ssl_keyfile" in files):
+        raise ConfigError(f"redis store URL {shown!r}: a client certificate needs both ssl_certfile and ssl_keyfile")
+    return files
+
+
+def _parse_timeout(shown: str, text: str) -> float:
     try:
         timeout_s = float(text)
     except ValueError:
         timeout_s = 0.0
     if not 0 < timeout_s < float("inf"):
-        raise ConfigError(f"redis store URL {url!r}: timeout must be a positive number of seconds, got {text!r}")
+        raise ConfigError(f"redis store URL {shown!r}: timeout must be a positive number of seconds, got {text!r}")
     return timeout_s
+
+
+@stores.register("rediss")
+class RedisTLSStore(RedisStore):
+    """`rediss://`: a Redis server over TLS, the certificate checked against `ssl_ca_certs` (or the system CAs)."""
+
+
+@stores.register("redis+unix")
+class RedisUnixStore(RedisStore):
+    """`redis+unix:///path/to/redis.sock`: a Redis server on this machine, through its Unix socket."""

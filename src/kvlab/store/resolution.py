@@ -6,7 +6,8 @@ different keys (the resolution is part of the key's fingerprint): the fetcher pi
 
 Byte format of a stored chunk: magic `KVPC`, the keys frame's length (u64 little-endian), the keys
 frame, the values frame. Each frame carries its own checksums (`kvlab.codec.framing`), so a corrupted
-chunk is detected and raises `CodecError`.
+chunk is detected and raises `CodecError`. Decoding checks each frame against the `ChunkGeometry` the
+reader's model needs before anything is allocated (`kvlab.store.auth` adds authentication on top).
 """
 
 from __future__ import annotations
@@ -17,11 +18,36 @@ from typing import Any
 
 import torch
 
-from kvlab.codec import Codec, CodecError, Lossless, create_codec
+from kvlab.codec import Codec, CodecError, ExpectedFrame, Lossless, create_codec
 from kvlab.errors import ConfigError
 
 _MAGIC = b"KVPC"
 _HEADER = struct.Struct("<4sQ")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkGeometry:
+    """What the keys and the values `[L, H_kv, t, D]` of one stored chunk must be for the reading model.
+
+    Attributes:
+        num_tokens: Tokens per chunk (`t`).
+        max_bytes: Largest decoded tensor (keys or values) accepted, in bytes.
+        num_layers: `L`, or None when the reader does not know its model.
+        num_kv_heads: `H_kv`, or None.
+        head_dim: `D`, or None.
+        dtype: The model's KV dtype, or None for any float dtype.
+    """
+
+    num_tokens: int
+    max_bytes: int
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    dtype: torch.dtype | None = None
+
+    def expected_frame(self) -> ExpectedFrame:
+        shape = (self.num_layers, self.num_kv_heads, self.num_tokens, self.head_dim)
+        return ExpectedFrame(shape=shape, dtype=self.dtype, max_bytes=self.max_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,16 +124,20 @@ def encode_chunk(resolution: Resolution, keys: torch.Tensor, values: torch.Tenso
     return _HEADER.pack(_MAGIC, len(key_frame)) + key_frame + value_frame
 
 
-def decode_chunk(resolution: Resolution, data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of a chunk `encode_chunk` wrote; `CodecError` for anything else."""
+def decode_chunk(
+    resolution: Resolution, data: bytes | memoryview, geometry: ChunkGeometry | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of a chunk `encode_chunk` wrote; `CodecError` for anything else, including
+    frames that are not the shape, dtype and size `geometry` (when given) allows."""
+    expected = None if geometry is None else geometry.expected_frame()
     if len(data) < _HEADER.size:
         raise CodecError(f"stored chunk of {len(data)} bytes is shorter than its header")
     magic, key_length = _HEADER.unpack_from(data)
     if magic != _MAGIC or key_length > len(data) - _HEADER.size:
         raise CodecError("stored chunk has a bad header (not a kvlab prefix chunk, or truncated)")
     view = memoryview(data)
-    keys = resolution.key_codec().decode(view[_HEADER.size : _HEADER.size + key_length])
-    values = resolution.value_codec().decode(view[_HEADER.size + key_length :])
+    keys = resolution.key_codec().decode(view[_HEADER.size : _HEADER.size + key_length], expected)
+    values = resolution.value_codec().decode(view[_HEADER.size + key_length :], expected)
     if keys.shape != values.shape:
         raise CodecError(f"stored chunk holds keys {tuple(keys.shape)} but values {tuple(values.shape)}")
     return keys, values

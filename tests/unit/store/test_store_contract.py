@@ -20,6 +20,8 @@ BACKENDS: dict[str, Callable[[pytest.FixtureRequest, Path], str]] = {
     "memory": lambda request, tmp: "memory://",
     "file": lambda request, tmp: f"file://{tmp / 'store'}",
     "redis": lambda request, tmp: str(request.getfixturevalue("redis_url")),
+    "redis+unix": lambda request, tmp: str(request.getfixturevalue("redis_unix_url")),
+    "rediss": lambda request, tmp: str(request.getfixturevalue("rediss_url")),
 }
 
 

@@ -1,0 +1,220 @@
+"""The fetch pipeline: transfer chunks on one thread, decode on workers, restore in order, stop at a fault.
+
+One thread transfers chunk i+1 while worker threads decode the chunks before it, and the caller
+restores them in order. Before every chunk the rest is re-planned (`kvlab.store.planner`) from the
+running measurements, so a link that slows down shifts the remaining chunks to smaller resolutions
+or to recomputation. Each chunk is checked before it is restored: its tag (`kvlab.store.auth`), its
+frames against the reader's `ChunkGeometry` (before any allocation), and its values for NaN and Inf.
+Any exception on the way, from the store, a codec, a check or an allocation, ends the fetch at that
+chunk and is returned as a `Fault`; worker exceptions reach the caller's thread through futures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvlab.codec import CodecError
+from kvlab.store.auth import ChunkSealer
+from kvlab.store.base import KVStore
+from kvlab.store.fetched import FetchedPrefix
+from kvlab.store.planner import RECOMPUTE, ResolutionCost, plan_chunks
+from kvlab.store.resolution import RESOLUTIONS, ChunkGeometry, decode_chunk
+
+if TYPE_CHECKING:
+    from kvlab.store.prefix import PrefixConfig
+
+_Decoded = tuple[torch.Tensor, torch.Tensor, float]
+_Arrival = tuple[int, str, "Future[_Decoded] | None", int, float]
+"""A transferred chunk: index, resolution, its decoding (None: the store had nothing), bytes, seconds."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fault:
+    """Why a fetch ended early: the exception, the chunk index it stopped at and that chunk's key."""
+
+    error: BaseException
+    index: int
+    key: str | None
+
+
+class Estimates:
+    """Running measurements the planner reads (exponentially weighted, guarded by a lock)."""
+
+    def __init__(self, config: PrefixConfig) -> None:
+        self.bandwidth = config.prior_bandwidth_bits / 8
+        self.prefill_tokens_per_s = config.prior_prefill_tokens_per_s
+        self.ratio = {name: resolution.nominal_ratio for name, resolution in RESOLUTIONS.items()}
+        # Decode seconds per raw byte; priors measured on 2 CPU threads (byteplane ~650 MB/s).
+        self.decode_s_per_byte = {"raw": 1 / 4e9, "exact": 1 / 6.5e8, "int8": 1 / 4e8, "int4": 1 / 4e8}
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def _blend(old: float, new: float, weight: float = 0.5) -> float:
+        return (1 - weight) * old + weight * new
+
+    def observe_transfer(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            with self.lock:
+                self.bandwidth = self._blend(self.bandwidth, nbytes / seconds)
+
+    def observe_decode(self, resolution: str, raw_bytes: int, stored_bytes: int, seconds: float) -> None:
+        if raw_bytes > 0 and stored_bytes > 0 and seconds > 0:
+            with self.lock:
+                self.decode_s_per_byte[resolution] = self._blend(self.decode_s_per_byte[resolution], seconds / raw_bytes)
+                self.ratio[resolution] = self._blend(self.ratio[resolution], raw_bytes / stored_bytes)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            with self.lock:
+                self.prefill_tokens_per_s = self._blend(self.prefill_tokens_per_s, tokens / seconds)
+
+
+class PrefixFetcher:
+    """Plans and runs fetches for one `PrefixCache` (its config, measurements, sealer and geometry)."""
+
+    def __init__(
+        self, config: PrefixConfig, estimates: Estimates, sealer: ChunkSealer, geometry: ChunkGeometry,
+        raw_bytes_per_token: int,
+    ) -> None:
+        self.config = config
+        self.estimates = estimates
+        self.sealer = sealer
+        self.geometry = geometry
+        self.raw_bytes_per_token = raw_bytes_per_token
+
+    def plan(self, available: list[list[str]], allow_recompute: bool) -> list[str]:
+        """Resolutions for the chunks whose stored resolutions `available` lists, from the current estimates."""
+        chunk_bytes = self.raw_bytes_per_token * self.config.chunk_tokens
+        with self.estimates.lock:
+            bandwidth = self.estimates.bandwidth
+            options = [
+                [
+                    ResolutionCost(
+                        name,
+                        RESOLUTIONS[name].quality,
+                        chunk_bytes / self.estimates.ratio[name],
+                        chunk_bytes * self.estimates.decode_s_per_byte[name] / self.config.decode_workers,
+                    )
+                    for name in here
+                ]
+                for here in available
+            ]
+            # Recomputing chunk i attends over everything before it; prefill speed is measured on whole
+            # prompts, so per-chunk cost is its token count at that speed.
+            recompute = [self.config.chunk_tokens / self.estimates.prefill_tokens_per_s] * len(options)
+        return plan_chunks(
+            options,
+            recompute,
+            bandwidth,
+            quality_slack=self.config.quality_slack,
+            allow_recompute=allow_recompute and self.config.allow_recompute,
+        )
+
+    def run(
+        self,
+        store: KVStore,
+        keys: dict[str, list[str]],
+        available: list[list[str]],
+        indices: list[int],
+        plan_cut: bool,
+        fetched: FetchedPrefix,
+    ) -> Fault | None:
+        """Restore chunks `indices` into `fetched`, in order; stop at the planner's cut (when `plan_cut`)
+        or at the first fault, which is returned."""
+        arrivals: queue.Queue[_Arrival | BaseException | None] = queue.Queue(maxsize=self.config.decode_workers + 1)
+        stop = threading.Event()
+        decoders = ThreadPoolExecutor(self.config.decode_workers, thread_name_prefix="kvlab-prefix-decode")
+        names: dict[int, str] = {}
+
+        def transfer() -> None:
+            try:
+                for position, index in enumerate(indices):
+                    if stop.is_set():
+                        break
+                    name = self.plan([available[i] for i in indices[position:]], plan_cut)[0]
+                    if name == RECOMPUTE:
+                        break
+                    names[index] = name
+                    key = keys[name][index]
+                    clock = time.perf_counter()
+                    data = store.get(key)
+                    seconds = time.perf_counter() - clock
+                    self.estimates.observe_transfer(len(data or b""), seconds)
+                    decoding = None if data is None else decoders.submit(self.decode, name, key, data)
+                    arrivals.put((index, name, decoding, len(data or b""), seconds))
+            except BaseException as error:  # noqa: BLE001 - handed to the restoring side
+                arrivals.put(error)
+            finally:
+                arrivals.put(None)
+
+        thread = threading.Thread(target=transfer, name="kvlab-prefix-fetch", daemon=True)
+        thread.start()
+        try:
+            return self._restore(arrivals, keys, names, indices, fetched)
+        finally:
+            stop.set()
+            # Unblock the transfer thread if it waits on a full queue, then let it finish.
+            while thread.is_alive():
+                try:
+                    arrivals.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            thread.join()
+            decoders.shutdown(wait=True, cancel_futures=True)
+
+    def _restore(
+        self,
+        arrivals: queue.Queue[_Arrival | BaseException | None],
+        keys: dict[str, list[str]],
+        names: dict[int, str],
+        indices: list[int],
+        fetched: FetchedPrefix,
+    ) -> Fault | None:
+        stats = fetched.stats
+        while (item := arrivals.get()) is not None:
+            if isinstance(item, BaseException):
+                index = indices[len(fetched.chunks)]
+                return _fault(item, index, keys[names[index]][index] if index in names else None)
+            index, name, decoding, nbytes, seconds = item
+            key = keys[name][index]
+            stats.transfer_s += seconds
+            if decoding is None:
+                return _fault(KeyError(f"chunk {index} ({name}) vanished from the store"), index, key)
+            try:
+                keys_tensor, values_tensor, decode_s = decoding.result()
+            except Exception as error:  # noqa: BLE001 - any fault while decoding: recompute from here
+                return Fault(error, index, key)
+            stats.decode_s += decode_s
+            stats.nbytes += nbytes
+            stats.resolutions[name] = stats.resolutions.get(name, 0) + 1
+            self.estimates.observe_decode(name, keys_tensor.numel() * 8, nbytes, decode_s)  # keys + values at 4 bytes
+            fetched.chunks.append((keys_tensor, values_tensor))
+            fetched.starts.append(index * self.config.chunk_tokens)
+        return None
+
+    def decode(self, name: str, key: str, data: bytes) -> _Decoded:
+        """Keys and values of the value stored under `key` at resolution `name`, and the seconds it took.
+
+        Raises:
+            CodecError: The tag, a frame or the values are not what this reader accepts.
+        """
+        clock = time.perf_counter()
+        keys, values = decode_chunk(RESOLUTIONS[name], self.sealer.open(key, data), self.geometry)
+        for tensor in (keys, values):
+            if not torch.isfinite(tensor).all():
+                raise CodecError("stored chunk holds NaN or Inf")
+        return keys, values, time.perf_counter() - clock
+
+
+def _fault(error: BaseException, index: int, key: str | None) -> Fault:
+    """A fault from the transfer side; interrupts and exits are not faults and go on up."""
+    if not isinstance(error, Exception):
+        raise error
+    return Fault(error, index, key)
