@@ -1,4 +1,8 @@
-"""The one place kvlab measures time: wall clock with device synchronization at both ends."""
+"""The one place kvlab measures time: wall clock with device synchronization at both ends.
+
+Accelerators run kernels asynchronously: a timestamp taken right after a call on CUDA (or MPS, XPU)
+measures the launch, not the work. Every reading here first waits for the device's queued work.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,22 @@ import torch
 
 
 def synchronize(device: torch.device | str) -> None:
-    """Wait for queued device work so a timestamp covers it (no-op on CPU)."""
+    """Wait for queued work on `device` so a timestamp covers it (no-op on CPU and meta).
+
+    Raises:
+        ValueError: `device` is an accelerator type this torch build cannot synchronize.
+    """
     device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if device.type in ("cpu", "meta"):
+        return
+    backend = getattr(torch, device.type, None)
+    synchronize_backend = getattr(backend, "synchronize", None)
+    if synchronize_backend is None:
+        raise ValueError(f"cannot synchronize device {device}: torch has no {device.type}.synchronize")
+    if device.index is None:
+        synchronize_backend()
+    else:
+        synchronize_backend(device)
 
 
 class Stopwatch:

@@ -9,8 +9,14 @@ import torch
 
 from kvlab.compress.base import FP16_BYTES, compressors
 from kvlab.compress.groupwise import QuantizedGroups, dequantize, quantize
-from kvlab.compress.packing import pack_codes, packed_nbytes, unpack_codes
-from kvlab.compress.quantization import FULL_PRECISION_BITS, QuantizationCompressor, QuantizedBlock
+from kvlab.compress.packing import packed_nbytes
+from kvlab.compress.quantization import (
+    FULL_PRECISION_BITS,
+    QuantizationCompressor,
+    QuantizedBlock,
+    pack_code_tensor,
+    unpack_code_tensor,
+)
 from kvlab.errors import ConfigError
 
 
@@ -46,7 +52,7 @@ class UniformBlock(QuantizedBlock):
 
     def groups(self) -> QuantizedGroups:
         count = self.shape[0] * self.shape[1] * self.shape[2]
-        codes = torch.from_numpy(unpack_codes(self.packed.numpy(), self.bits, count)).view(self.shape)
+        codes = unpack_code_tensor(self.packed, self.bits, count).view(self.shape)
         return QuantizedGroups(codes, self.zeros, self.scales, self.bits, self.axis, self.group_size)
 
 
@@ -67,7 +73,7 @@ class KIVICompressor(QuantizationCompressor):
     Deviations from the paper:
     - The residual holds between `residual_length` and `residual_length + group_size - 1` tokens
       (KIVI's code flushes the whole residual when it is full); the memory bound is the same.
-    - Codes are packed densely on the CPU; attention reads an incrementally updated dequantized
+    - Codes are packed densely on the cache's device; attention reads an incrementally updated dequantized
       copy (KIVI fuses dequantization into its CUDA matmul).
     """
 
@@ -99,5 +105,5 @@ class KIVICompressor(QuantizationCompressor):
 
     def _block(self, tensor: torch.Tensor, axis: int) -> UniformBlock:
         groups = quantize(tensor, self.bits, axis=axis, group_size=self.group_size, meta_dtype=torch.float16)
-        packed = torch.from_numpy(pack_codes(groups.codes.numpy(), self.bits))
+        packed = pack_code_tensor(groups.codes, self.bits)
         return UniformBlock(packed, groups.zeros, groups.scales, tuple(tensor.shape), self.bits, axis, self.group_size)  # type: ignore[arg-type]

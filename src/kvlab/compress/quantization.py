@@ -21,6 +21,54 @@ from kvlab.errors import ConfigError
 FULL_PRECISION_BITS = 16
 
 
+def pack_code_tensor(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes in [0, 2**bits) packed on their own device, with the bytes of `kvlab.compress.packing.pack_codes`.
+
+    Args:
+        codes: Integer codes of any shape (flattened in order).
+        bits: Code width, 1..8.
+
+    Returns:
+        [ceil(numel * bits / 8)] uint8 on the codes' device.
+    """
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    flat = codes.reshape(-1).to(torch.uint8)
+    if 8 % bits:
+        # A bit stream, most significant bit of each code first.
+        shifts = torch.arange(bits - 1, -1, -1, device=codes.device, dtype=torch.uint8)
+        stream = ((flat[:, None] >> shifts) & 1).reshape(-1)
+        return _pack_lanes(stream, 1, msb_first=True)
+    return _pack_lanes(flat, bits, msb_first=False)
+
+
+def unpack_code_tensor(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of `pack_code_tensor`: the first `count` codes as flat uint8 on the packed bytes' device."""
+    if 8 % bits:
+        stream = _unpack_lanes(packed, 1, msb_first=True)[: count * bits].reshape(count, bits)
+        weights = torch.arange(bits - 1, -1, -1, device=packed.device, dtype=torch.uint8)
+        return (stream << weights).sum(dim=1, dtype=torch.uint8)
+    return _unpack_lanes(packed, bits, msb_first=False)[:count]
+
+
+def _pack_lanes(flat: torch.Tensor, bits: int, msb_first: bool) -> torch.Tensor:
+    per_byte = 8 // bits
+    padding = -flat.numel() % per_byte
+    lanes = torch.nn.functional.pad(flat, (0, padding)).reshape(-1, per_byte)
+    shifts = torch.arange(per_byte, device=flat.device, dtype=torch.uint8) * bits
+    if msb_first:
+        shifts = shifts.flip(0)
+    return (lanes << shifts).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack_lanes(packed: torch.Tensor, bits: int, msb_first: bool) -> torch.Tensor:
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.uint8) * bits
+    if msb_first:
+        shifts = shifts.flip(0)
+    return ((packed[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)
+
+
 class QuantizedBlock(abc.ABC):
     """Quantized keys or values of a run of tokens, [H_kv, n, D] once dequantized."""
 

@@ -11,8 +11,14 @@ import numpy as np
 import torch
 
 from kvlab.compress.base import FP16_BYTES, compressors
-from kvlab.compress.packing import pack_codes, packed_nbytes, unpack_codes
-from kvlab.compress.quantization import FULL_PRECISION_BITS, QuantizationCompressor, QuantizedBlock
+from kvlab.compress.packing import packed_nbytes
+from kvlab.compress.quantization import (
+    FULL_PRECISION_BITS,
+    QuantizationCompressor,
+    QuantizedBlock,
+    pack_code_tensor,
+    unpack_code_tensor,
+)
 
 SEED_BYTES = 8
 
@@ -89,9 +95,9 @@ class TurboQuantCompressor(QuantizationCompressor):
         seed = self._seed(layer_idx, "keys")
         block, reconstruction = _quantize_mse(keys, self.bits - 1, seed)
         residual = keys.float() - reconstruction
-        sketch = _qjl_matrix(keys.shape[-1], seed)
+        sketch = _qjl_matrix(keys.shape[-1], seed, keys.device)
         signs = (residual @ sketch.T >= 0).to(torch.uint8)
-        block.packed_signs = _pack(signs, 1)
+        block.packed_signs = pack_code_tensor(signs, 1)
         block.residual_norms = residual.norm(dim=-1).to(torch.float16)
         return block
 
@@ -99,8 +105,8 @@ class TurboQuantCompressor(QuantizationCompressor):
         assert isinstance(block, TurboQuantBlock) and block.packed_signs is not None
         assert block.residual_norms is not None
         dim = block.shape[-1]
-        signs = _unpack(block.packed_signs, 1, block.numel).view(block.shape).float() * 2 - 1
-        sketch = _qjl_matrix(dim, block.seed)
+        signs = unpack_code_tensor(block.packed_signs, 1, block.numel).view(block.shape).float() * 2 - 1
+        sketch = _qjl_matrix(dim, block.seed, signs.device)
         correction = math.sqrt(math.pi / 2) / dim * block.residual_norms.float()[..., None] * (signs @ sketch)
         return _dequantize_mse(block) + correction
 
@@ -121,32 +127,30 @@ def _quantize_mse(vectors: torch.Tensor, bits: int, seed: int) -> tuple[TurboQua
     exact_norms = vectors.float().norm(dim=-1)
     norms = exact_norms.to(torch.float16)
     unit = vectors.float() / exact_norms.clamp_min(1e-30)[..., None]
-    rotated = unit @ rotation_matrix(dim, seed).T
-    boundaries, _ = lloyd_max_codebook(dim, bits)
-    codes = torch.bucketize(rotated, torch.from_numpy(boundaries).float())
-    block = TurboQuantBlock(_pack(codes, bits), norms, tuple(vectors.shape), bits, seed)  # type: ignore[arg-type]
+    rotated = unit @ rotation_matrix(dim, seed, vectors.device).T
+    boundaries, _ = _codebook_tensors(dim, bits, vectors.device)
+    codes = torch.bucketize(rotated, boundaries)
+    block = TurboQuantBlock(pack_code_tensor(codes, bits), norms, tuple(vectors.shape), bits, seed)  # type: ignore[arg-type]
     return block, _dequantize_mse(block)
 
 
 def _dequantize_mse(block: TurboQuantBlock) -> torch.Tensor:
     dim = block.shape[-1]
-    _, centroids = lloyd_max_codebook(dim, block.code_bits)
-    codes = _unpack(block.packed, block.code_bits, block.numel).view(block.shape).long()
-    rotated = torch.from_numpy(centroids).float()[codes]
-    return (rotated @ rotation_matrix(dim, block.seed)) * block.norms.float()[..., None]
-
-
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    return torch.from_numpy(pack_codes(codes.to(torch.uint8).numpy(), bits))
-
-
-def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    return torch.from_numpy(unpack_codes(packed.numpy(), bits, count))
+    device = block.packed.device
+    _, centroids = _codebook_tensors(dim, block.code_bits, device)
+    codes = unpack_code_tensor(block.packed, block.code_bits, block.numel).view(block.shape).long()
+    rotated = centroids[codes]
+    return (rotated @ rotation_matrix(dim, block.seed, device)) * block.norms.float()[..., None]
 
 
 @functools.lru_cache(maxsize=256)
-def rotation_matrix(dim: int, seed: int) -> torch.Tensor:
-    """[D, D] float32 random orthogonal matrix: randomized Hadamard for powers of two, else QR of a Gaussian."""
+def rotation_matrix(dim: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[D, D] float32 random orthogonal matrix: randomized Hadamard for powers of two, else QR of a Gaussian.
+
+    Built on the CPU from the seed (the same matrix on every device), then cached per device.
+    """
+    if torch.device(device).type != "cpu":
+        return rotation_matrix(dim, seed).to(device)
     generator = torch.Generator().manual_seed(seed)
     if dim & (dim - 1) == 0:
         hadamard = torch.ones(1, 1)
@@ -160,9 +164,16 @@ def rotation_matrix(dim: int, seed: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=256)
-def _qjl_matrix(dim: int, seed: int) -> torch.Tensor:
+def _qjl_matrix(dim: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed ^ 0x5EED)
-    return torch.randn(dim, dim, generator=generator)
+    return torch.randn(dim, dim, generator=generator).to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _codebook_tensors(dim: int, bits: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lloyd_max_codebook` as float32 tensors on `device` (boundaries [2**bits - 1], centroids [2**bits])."""
+    boundaries, centroids = lloyd_max_codebook(dim, bits)
+    return torch.from_numpy(boundaries).float().to(device), torch.from_numpy(centroids).float().to(device)
 
 
 @functools.lru_cache(maxsize=64)
