@@ -11,7 +11,9 @@ from kvlab.cli.base import EXIT_OK, EXIT_RUNTIME_ERROR, Command, add_json_flag, 
 from kvlab.errors import ConfigError
 from kvlab.store import KVStore, StoreUnavailableError, check_key, create_store
 
-URL_HELP = "store URL: memory://, file:///absolute/dir or redis://host:port/db[?timeout=SECONDS]"
+URL_HELP = ("store URL: memory://, file:///absolute/dir, redis://[:PASSWORD@]host:port/db[?timeout=SECONDS], "
+            "rediss://...?ssl_ca_certs=PEM or redis+unix:///path/to/redis.sock (percent-encode @ : / # in "
+            "passwords, or set KVLAB_REDIS_PASSWORD so the password stays out of `ps`)")
 
 
 class StoreCommand(Command):
@@ -61,7 +63,7 @@ def _ls(store: KVStore, args: argparse.Namespace) -> int:
     rows = _sizes(store, args.prefix)
     total = sum(row["bytes"] for row in rows)
     if args.json:
-        print_json({"url": args.url, "prefix": args.prefix, "keys": rows, "num_keys": len(rows), "total_bytes": total})
+        print_json({"url": store.url, "prefix": args.prefix, "keys": rows, "num_keys": len(rows), "total_bytes": total})
         return EXIT_OK
     for row in rows:
         print(f"{row['bytes']:>12}  {row['key']}")
@@ -86,7 +88,7 @@ def _put(store: KVStore, args: argparse.Namespace) -> int:
 def _get(store: KVStore, args: argparse.Namespace) -> int:
     data = store.get(args.key)
     if data is None:
-        print(f"kvlab store: error: no value under key {args.key!r} in {args.url}; `kvlab store ls URL` lists the keys",
+        print(f"kvlab store: error: no value under key {args.key!r} in {store.url}; `kvlab store ls URL` lists the keys",
               file=sys.stderr)
         return EXIT_RUNTIME_ERROR
     if args.output is None:
@@ -115,9 +117,9 @@ def _rm(store: KVStore, args: argparse.Namespace) -> int:
 
 def _stats(store: KVStore, args: argparse.Namespace) -> int:
     rows = _sizes(store, "")
-    stats = {"url": args.url, "num_keys": len(rows), "total_bytes": sum(row["bytes"] for row in rows)}
+    stats = {"url": store.url, "num_keys": len(rows), "total_bytes": sum(row["bytes"] for row in rows)}
     if args.json:
         print_json(stats)
         return EXIT_OK
-    print(f"{args.url}: {stats['num_keys']} keys, {stats['total_bytes']} bytes")
+    print(f"{store.url}: {stats['num_keys']} keys, {stats['total_bytes']} bytes")
     return EXIT_OK

@@ -7,20 +7,27 @@ whose fetch finished) keep the model busy meanwhile: no head-of-line blocking. W
 `fetch_aware=False` requests run strictly in arrival order and each fetch happens on the critical path.
 
 Output is the same either way: a prefetched prefix is restored exactly as `generate` would restore it.
+Every admitted request is completed or failed, never left waiting: a store that is down at admission
+means no background fetch, a fetch that fails means recomputing the whole prompt, and a request
+whose generation raises is reported in `SchedulerError` after every other request was served.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
-from kvlab.generation.config import GenerationConfig
+from kvlab.errors import KvlabError
 from kvlab.generation import GenerationOutput, generate
+from kvlab.generation.config import GenerationConfig
 from kvlab.models import LoadedModel
-from kvlab.store.prefix import FetchedPrefix, LayerKV, PrefixCache
+from kvlab.store.prefix import FetchedPrefix, FetchStats, LayerKV, PrefixCache
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -58,6 +65,24 @@ class Completion:
     def ttft_s(self) -> float:
         """Time to first token as the client sees it: from arrival, queueing included."""
         return self.first_token_s - self.arrival_s
+
+
+class SchedulerError(KvlabError):
+    """Some requests failed; every other request was served.
+
+    Attributes:
+        failures: Exception of each failed request, by its index in the submitted list.
+        completions: The served requests, by index.
+    """
+
+    def __init__(self, failures: dict[int, Exception], completions: dict[int, Completion]) -> None:
+        first = min(failures)
+        super().__init__(
+            f"{len(failures)} of {len(failures) + len(completions)} requests failed; request {first}: "
+            f"{type(failures[first]).__name__}: {failures[first]}"
+        )
+        self.failures = failures
+        self.completions = completions
 
 
 class _Prefetched:
@@ -109,7 +134,11 @@ class FetchAwareScheduler:
         self.fetch_workers = fetch_workers
 
     def run(self, requests: list[Request]) -> list[Completion]:
-        """Serve `requests` (arrival times relative to now); completions in submission order."""
+        """Serve `requests` (arrival times relative to now); completions in submission order.
+
+        Raises:
+            SchedulerError: Some requests failed (after every other one was served).
+        """
         start = time.perf_counter()
 
         def now() -> float:
@@ -120,24 +149,30 @@ class FetchAwareScheduler:
         # Written by fetch workers before they queue the request, read after it is dequeued.
         fetched: dict[int, tuple[FetchedPrefix, float]] = {}
         completions: dict[int, Completion] = {}
-        pending_fetches: list[Future[None]] = []
+        failures: dict[int, Exception] = {}
 
         def fetch(index: int) -> None:
-            result = self.prefix.fetch(requests[index].prompt)
-            fetched[index] = (result, now())
-            ready.put((requests[index].arrival_s, index))
+            result = FetchedPrefix([], FetchStats(failure="the fetch did not finish", faults=1))
+            try:
+                result = self.prefix.fetch(requests[index].prompt)
+            except Exception as error:  # noqa: BLE001 - the request is then computed in full
+                logger.warning("prefix fetch of request %d failed (%s: %s); computing its whole prompt",
+                               index, type(error).__name__, error)
+                result = FetchedPrefix([], FetchStats(failure=f"{type(error).__name__}: {error}", faults=1))
+            finally:
+                # Queued whatever happened: a request the worker never hands on would wait forever.
+                fetched[index] = (result, now())
+                ready.put((requests[index].arrival_s, index))
 
         with ThreadPoolExecutor(max_workers=self.fetch_workers, thread_name_prefix="kvlab-prefetch") as pool:
             admitted = 0
-            while len(completions) < len(requests):
+            while len(completions) + len(failures) < len(requests):
                 # Admit everything that has arrived by now.
                 while admitted < len(order) and requests[order[admitted]].arrival_s <= now():
                     index = order[admitted]
                     admitted += 1
-                    # Whether the first chunk is stored decides it (one small request); the fetch
-                    # itself, with its full lookup, runs in the background.
-                    if self.fetch_aware and self.prefix.lookup(requests[index].prompt, limit=1):
-                        pending_fetches.append(pool.submit(fetch, index))
+                    if self._worth_fetching(requests[index].prompt):
+                        pool.submit(fetch, index)
                     else:
                         ready.put((requests[index].arrival_s, index))
                 next_arrival = requests[order[admitted]].arrival_s if admitted < len(order) else None
@@ -146,10 +181,24 @@ class FetchAwareScheduler:
                     _, index = ready.get(timeout=timeout)
                 except queue.Empty:
                     continue
-                completions[index] = self._serve(index, requests[index], fetched.get(index), now)
-            for future in pending_fetches:
-                future.result()
+                try:
+                    completions[index] = self._serve(index, requests[index], fetched.get(index), now)
+                except Exception as error:  # noqa: BLE001 - reported with the others' results
+                    failures[index] = error
+        if failures:
+            raise SchedulerError(failures, completions)
         return [completions[index] for index in range(len(requests))]
+
+    def _worth_fetching(self, prompt: list[int]) -> bool:
+        """Whether to fetch in the background: the first chunk is stored (one small request; the fetch
+        does the full lookup). A store that cannot answer means no: the request is computed in full."""
+        if not self.fetch_aware:
+            return False
+        try:
+            return bool(self.prefix.lookup(prompt, limit=1))
+        except Exception as error:  # noqa: BLE001 - admission never fails on the store
+            logger.warning("prefix lookup at admission failed (%s: %s); computing the prompt", type(error).__name__, error)
+            return False
 
     def _serve(
         self, index: int, request: Request, prefetched: tuple[FetchedPrefix, float] | None, now: Callable[[], float]
