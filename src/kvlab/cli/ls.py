@@ -1,4 +1,4 @@
-"""`kvlab ls`: every registered component and every embedded model."""
+"""`kvlab ls`: every registered component and every embedded model (architecture, context, origin)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ class ListCommand(Command):
                 {
                     "name": alias,
                     "summary": model.description,
+                    "architecture": model.architecture,
+                    "context": model.context,
+                    "source": model.source,
                     "installed": model.installed(),
                     "install": model.install,
                 }
@@ -42,6 +45,10 @@ class ListCommand(Command):
                 print("  (none registered)")
             for row in rows:
                 print(f"  {row['name']:<16} {row['summary']}")
+                if section == "models":
+                    state = "installed" if row["installed"] else f"not installed; {row['install']}"
+                    print(f"      {row['architecture']}; context {row['context']} tokens")
+                    print(f"      from {row['source']} ({state})")
                 for param in row.get("parameters", []):
                     print(f"      {param['name']}: {param['type']} = {param['default']!r}  {param['help']}")
         return EXIT_OK

