@@ -1,12 +1,19 @@
-"""Lossless decoding vs plain full-KV decoding vs lossy decoding, measured in one run.
+"""Lossless decoding vs plain full-KV decoding vs lossy decoding, measured in one run, per full-KV tier.
 
 Usage: .venv/bin/python benchmarks/lossless_decode.py [--contexts 2048 8064] [--new-tokens 128]
-           [--batch 1] [--settings LABEL ...]
+           [--batch 1] [--settings LABEL ...] [--full-kv-tier memory emulated:2 disk] [--json PATH]
 
-For each context, every setting decodes the same greedy continuation of the bundled document; the
-table gives decode tokens/s, the speed-up over plain full-KV decoding, the mean acceptance length
-(accepted drafts + 1 per round), and whether the output is identical to plain decoding. The
-MagicDec-style row drafts 3 tokens from a StreamingLLM cache.
+For each context the prompts (different offsets of the bundled document) are prefilled once per
+drafter; every setting then decodes from copies of those caches, so the table compares decoding
+only. On each tier, plain decoding reads the full KV from the tier every step and is the baseline of
+that tier's rows. Columns: decode tokens/s, speed-up over plain on the same tier, mean acceptance
+length (accepted drafts + 1 per round), mean draft length, the bytes-bound ceiling, and whether the
+output is identical to plain decoding.
+
+The bytes-bound ceiling is plain's bytes read per emitted token over this setting's: a plain step
+reads the linear layers' weights once and every row's full KV; a lossless round of one row reads,
+per draft token, its share of the (draft) weights and its draft KV, then its share of the weights and
+its full KV for the verify, and emits `acceptance length` tokens.
 """
 
 from __future__ import annotations
@@ -14,16 +21,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 import torch
 
+from kvlab.cache import KVCache
 from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids
-from kvlab.generation import GenerationConfig, GenerationOutput, generate
-from kvlab.lossless import LosslessConfig, generate_lossless
+from kvlab.generation import GenerationConfig, GenerationOutput, decode
+from kvlab.generation.prefill import prefill
+from kvlab.lossless import LosslessConfig, LosslessOutput, LosslessRun
+from kvlab.lossless.engine import admit_prefilled
 from kvlab.models import LoadedModel, load_model
+from kvlab.models.draft_weights import draft_model
 
-# (label, mode, compressor name, compressor params, draft length, draft weights)
+# (label, mode, compressor name, compressor params, num_draft_tokens, draft weights)
 SETTINGS: list[tuple[str, str, str | None, dict[str, object], int | str, str]] = [
     ("plain full KV", "full", None, {}, 0, "same"),
     ("lossy snapkv-0.9", "lossy", "snapkv", {"compression_ratio": 0.9}, 0, "same"),
@@ -32,22 +44,87 @@ SETTINGS: list[tuple[str, str, str | None, dict[str, object], int | str, str]] =
     ("lossless snapkv-0.9 k=8", "lossless", "snapkv", {"compression_ratio": 0.9}, 8, "same"),
     ("lossless snapkv-0.9 k=32", "lossless", "snapkv", {"compression_ratio": 0.9}, 32, "same"),
     ("lossless kivi-4 k=32", "lossless", "kivi", {"bits": 4}, 32, "same"),
+    ("lossless snapkv-0.9 k=auto bf16 drafter", "lossless", "snapkv", {"compression_ratio": 0.9}, "auto", "bf16"),
     ("lossless snapkv-0.9 k=auto int8 drafter", "lossless", "snapkv", {"compression_ratio": 0.9}, "auto", "int8"),
     ("lossless kivi-4 k=auto int8 drafter", "lossless", "kivi", {"bits": 4}, "auto", "int8"),
     ("MagicDec-style streamingllm-0.9 k=3", "lossless", "streamingllm", {"compression_ratio": 0.9}, 3, "same"),
 ]
+MAX_NUM_DRAFT_TOKENS = 64
+
+Prefilled = list[tuple[KVCache, KVCache, torch.Tensor]]
 
 
-def run(loaded: LoadedModel, prompts: list[list[int]], setting: tuple, new_tokens: int) -> GenerationOutput:  # type: ignore[type-arg]
-    _, mode, name, params, draft_length, draft_weights = setting
-    config = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
-    compressor = create_compressor(name, **params) if name else None
+def linear_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights a forward reads: every linear layer's (int8 packed weights count 1 byte)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            total += module.weight.numel() * module.weight.element_size()
+        elif hasattr(module, "weight") and callable(module.weight) and "Linear" in type(module).__name__:
+            total += module.weight().numel()  # dynamic int8 linear: packed int8 weights
+    return total
+
+
+def attended_bytes(cache: KVCache) -> int:
+    """Bytes attention reads from a cache: every stored token's keys and values as held (a quantized
+    layer's dequantized working copy included)."""
+    total = 0
+    for layer in cache.layers:
+        keys = layer.keys  # type: ignore[attr-defined]
+        total += 2 * keys.shape[1] * sum(layer.lengths) * keys.shape[3] * keys.element_size()  # type: ignore[attr-defined]
+    return total
+
+
+def prefill_all(loaded: LoadedModel, prompts: list[list[int]], name: str, params: dict[str, object]) -> Prefilled:
+    capacity = max(len(p) for p in prompts) + 512 + MAX_NUM_DRAFT_TOKENS + 2
+    drafter = create_compressor(name, **params)
+    result = []
+    for prompt in prompts:
+        full, draft, logits = prefill(loaded, [prompt], capacity, drafter=drafter)
+        assert draft is not None
+        result.append((full, draft, logits))
+    return result
+
+
+def run_setting(
+    loaded: LoadedModel, prompts: list[list[int]], setting: tuple, prefilled: Prefilled, config: GenerationConfig  # type: ignore[type-arg]
+) -> GenerationOutput:
+    _, mode, name, params, num_draft_tokens, draft_weights = setting
     if mode == "lossless":
-        assert compressor is not None
-        return generate_lossless(
-            loaded, prompts, config, LosslessConfig(compressor, draft_length, draft_weights=draft_weights)
+        assert name is not None
+        lossless = LosslessConfig(
+            create_compressor(name, **params), num_draft_tokens, MAX_NUM_DRAFT_TOKENS, draft_weights=draft_weights
         )
-    return generate(loaded, prompts, config, compressor=compressor)
+        run = LosslessRun(loaded, config, lossless, len(prompts))
+        for request, (prompt, (full, draft, logits)) in enumerate(zip(prompts, prefilled)):
+            admit_prefilled(run, request, prompt, (full.clone(), draft.clone(), logits))
+        while run.sequences:
+            run.step()
+        return run.finish()
+    caches = [(draft if mode == "lossy" else full).clone() for full, draft, _ in prefilled]
+    cache = caches[0] if len(caches) == 1 else KVCache.stack(caches, caches[0].layers[0].capacity)  # type: ignore[attr-defined]
+    logits = torch.cat([logits for _, _, logits in prefilled])
+    return decode(loaded, prompts, cache, logits, config)
+
+
+def bytes_per_token(
+    loaded: LoadedModel, setting: tuple, output: GenerationOutput, prefilled: Prefilled, batch: int  # type: ignore[type-arg]
+) -> float:
+    """Bytes read per emitted token, from the model's weights, the caches' stored tokens and the
+    measured acceptance (see the module docstring)."""
+    _, mode, _, _, _, draft_weights = setting
+    weights = linear_weight_bytes(loaded.model)
+    full_kv = sum(attended_bytes(full) for full, _, _ in prefilled) / batch
+    draft_kv = sum(attended_bytes(draft) for _, draft, _ in prefilled) / batch
+    if mode == "full":
+        return weights / batch + full_kv
+    if mode == "lossy":
+        return weights / batch + draft_kv
+    assert isinstance(output, LosslessOutput)
+    stats = output.lossless
+    drafter_weights = linear_weight_bytes(draft_model(loaded.model, draft_weights))
+    per_round = stats.mean_num_draft_tokens * (drafter_weights / batch + draft_kv) + weights / batch + full_kv
+    return per_round / stats.acceptance_length
 
 
 def main() -> None:
@@ -56,51 +133,73 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1, help="prompts decoded together (different offsets)")
     parser.add_argument("--settings", nargs="*", help="labels to run (plain full KV always runs)")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--full-kv-tier", nargs="+", default=["memory"], help="tiers: memory, host, disk, emulated:GBPS")
+    parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     args = parser.parse_args()
 
     loaded = load_model()
-    run(loaded, [document_token_ids(loaded.tokenizer, 128)], SETTINGS[3], 8)
-    results = []
+    warm = prefill_all(loaded, [document_token_ids(loaded.tokenizer, 128)], "snapkv", {"compression_ratio": 0.9})
+    run_setting(loaded, [document_token_ids(loaded.tokenizer, 128)], SETTINGS[3], warm, GenerationConfig(max_new_tokens=8))
+    selected = [s for s in SETTINGS if not args.settings or s[0] in args.settings or s[1] == "full"]
+    rows = []
     for context in args.contexts:
         document = document_token_ids(loaded.tokenizer, context + 64 * args.batch)
         prompts = [document[64 * row : 64 * row + context] for row in range(args.batch)]
-        baseline = None
-        for setting in SETTINGS:
-            if args.settings and setting[0] not in args.settings and setting[1] != "full":
-                continue
-            output = run(loaded, prompts, setting, args.new_tokens)
-            tokens = [request.token_ids for request in output.requests]
-            if baseline is None:
-                baseline = (output.stats.decode_tokens_per_s, tokens)
-            results.append(
-                {
-                    "context": context,
-                    "setting": setting[0],
-                    "decode_tokens_per_s": output.stats.decode_tokens_per_s,
-                    "speedup": output.stats.decode_tokens_per_s / baseline[0],
-                    "acceptance_length": output.lossless.acceptance_length if output.lossless else None,
-                    "mean_draft_length": (
-                        sum(output.lossless.num_draft_tokens_per_round) / len(output.lossless.num_draft_tokens_per_round) if output.lossless else None
-                    ),
-                    "identical_to_plain": tokens == baseline[1],
-                }
-            )
-    if args.json:
-        print(json.dumps({"batch": args.batch, "threads": torch.get_num_threads(), "rows": results}, indent=2))
-        return
-    print(
+        prefills: dict[str, Prefilled] = {}
+        for setting in selected:
+            key = json.dumps([setting[2] or "snapkv", setting[3] or {"compression_ratio": 0.9}], sort_keys=True)
+            if key not in prefills:
+                prefills[key] = prefill_all(loaded, prompts, setting[2] or "snapkv", setting[3] or {"compression_ratio": 0.9})
+        for tier in args.full_kv_tier:
+            config = GenerationConfig(max_new_tokens=args.new_tokens, ignore_eos=True, full_kv_tier=tier)
+            baseline = None
+            for setting in selected:
+                if setting[1] == "lossy" and tier != "memory":
+                    continue  # lossy decoding never reads the full KV
+                key = json.dumps([setting[2] or "snapkv", setting[3] or {"compression_ratio": 0.9}], sort_keys=True)
+                output = run_setting(loaded, prompts, setting, prefills[key], config)
+                tokens = [request.token_ids for request in output.requests]
+                cost = bytes_per_token(loaded, setting, output, prefills[key], args.batch)
+                if baseline is None:
+                    baseline = (output.stats.decode_tokens_per_s, tokens, cost)
+                lossless = output.lossless if isinstance(output, LosslessOutput) else None
+                rows.append(
+                    {
+                        "setting": setting[0],
+                        "context": context,
+                        "batch": args.batch,
+                        "tier": tier,
+                        "new_tokens": args.new_tokens,
+                        "decode_tokens_per_s": output.stats.decode_tokens_per_s,
+                        "speedup_vs_plain": output.stats.decode_tokens_per_s / baseline[0],
+                        "identical": tokens == baseline[1],
+                        "acceptance_length": lossless.acceptance_length if lossless else None,
+                        "mean_num_draft_tokens": lossless.mean_num_draft_tokens if lossless else None,
+                        "bytes_per_token": cost,
+                        "bytes_bound_speedup": baseline[2] / cost,
+                        "tier_bytes_read": output.stats.tier_bytes_read,
+                        "tier_wait_s": output.stats.tier_wait_s,
+                        "draft_s": lossless.draft_s if lossless else None,
+                        "verify_s": lossless.verify_s if lossless else None,
+                    }
+                )
+            print(f"done: context {context}, tier {tier}", flush=True)
+    header = (
         f"embedded SmolLM2-135M, fp32, batch {args.batch}, {args.new_tokens} new tokens, "
         f"{torch.get_num_threads()} threads, load avg {os.getloadavg()[0]:.2f}"
     )
-    print("| context | setting | decode tok/s | vs plain | acceptance length | mean draft length | identical to plain |")
-    print("|---|---|---|---|---|---|---|")
-    for row in results:
+    if args.json:
+        args.json.write_text(json.dumps({"header": header, "threads": torch.get_num_threads(), "rows": rows}, indent=2))
+    print(header)
+    print("| context | tier | setting | decode tok/s | vs plain | acceptance length | mean draft length | bytes-bound ceiling | identical to plain |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
         acceptance = f"{row['acceptance_length']:.1f}" if row["acceptance_length"] else "-"
-        draft = f"{row['mean_draft_length']:.1f}" if row["mean_draft_length"] else "-"
+        draft = f"{row['mean_num_draft_tokens']:.1f}" if row["mean_num_draft_tokens"] else "-"
         print(
-            f"| {row['context']} | {row['setting']} | {row['decode_tokens_per_s']:.1f} | {row['speedup']:.2f}x | "
-            f"{acceptance} | {draft} | {'yes' if row['identical_to_plain'] else 'NO'} |"
+            f"| {row['context']} | {row['tier']} | {row['setting']} | {row['decode_tokens_per_s']:.1f} | "
+            f"{row['speedup_vs_plain']:.2f}x | {acceptance} | {draft} | {row['bytes_bound_speedup']:.2f}x | "
+            f"{'yes' if row['identical'] else 'NO'} |"
         )
 
 

@@ -1,29 +1,37 @@
 """What one forward costs on this machine: the numbers that bound lossless decoding's speed-up.
 
-Usage: .venv/bin/python benchmarks/step_costs.py [--context 8064] [--draft-length 8] [--repeats 5]
+Usage: .venv/bin/python benchmarks/step_costs.py [--context 8064] [--num-draft-tokens 8] [--repeats 5]
 
 Prints the median time of: a plain decode step on the full cache; a draft step on a SnapKV-10%
-cache (fp32 weights and int8 dynamic-quantized weights); a verify pass over `--draft-length` + 1
-tokens on the full cache; and the time attention and the linear layers take inside a plain step
-(torch profiler). With perfect acceptance, lossless decoding emits k + 1 tokens per k draft steps and
+cache (fp32, bf16 and int8 dynamic-quantized weights) as the lossless engine runs it (a packed
+forward); a verify forward over `--draft-length` + 1 tokens on the full cache, as the engine runs it
+(unmasked GQA-folded prefix + causal block) and through one masked attention call (the reference);
+the time attention and the linear layers take inside a plain step (torch profiler); and, per
+forward, the bytes it reads (linear weights + the KV attention reads) and the bandwidth that implies. With perfect acceptance, lossless decoding emits k + 1 tokens per k draft steps and
 one verify pass, so (k + 1) * plain / (k * draft + verify) is its ceiling; the script prints it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvlab.cache import KVCache, forward
+from kvlab.cache import KVCache, Segment, forward, run_packed
 from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids
 from kvlab.generation.prefill import prefill
 from kvlab.models import LoadedModel, load_model
 from kvlab.models.draft_weights import draft_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lossless_decode import attended_bytes, linear_weight_bytes
 
 
 def step_ms(model: torch.nn.Module, loaded: LoadedModel, cache: KVCache, tokens: list[int], repeats: int) -> float:
@@ -39,24 +47,40 @@ def step_ms(model: torch.nn.Module, loaded: LoadedModel, cache: KVCache, tokens:
     return 1e3 * statistics.median(timings[1:])
 
 
+def packed_ms(model: torch.nn.Module, loaded: LoadedModel, cache: KVCache, tokens: list[int], repeats: int) -> float:
+    """`step_ms` through the lossless engine's packed forward (one segment)."""
+    timings = []
+    for _ in range(repeats + 1):
+        with cache.provisional():
+            start = time.perf_counter()
+            run_packed(model, [Segment(cache, len(tokens))], [tokens], list(range(len(tokens))))  # type: ignore[arg-type]
+            timings.append(time.perf_counter() - start)
+            cache.drop_last(len(tokens))
+    return 1e3 * statistics.median(timings[1:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=8064)
-    parser.add_argument("--draft-length", type=int, default=8)
+    parser.add_argument("--num-draft-tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
     loaded = load_model()
-    document = document_token_ids(loaded.tokenizer, args.context + args.draft_length + 1)
+    document = document_token_ids(loaded.tokenizer, args.context + args.num_draft_tokens + 1)
     prompt, following = document[: args.context], document[args.context :]
-    capacity = args.context + args.draft_length + 2
+    capacity = args.context + args.num_draft_tokens + 2
     full, draft, _ = prefill(loaded, [prompt], capacity, drafter=create_compressor("snapkv", compression_ratio=0.9))
     assert draft is not None
     model = loaded.model
+    k = args.num_draft_tokens
     plain = step_ms(model, loaded, full, following[:1], args.repeats)
-    draft_fp32 = step_ms(model, loaded, draft, following[:1], args.repeats)
-    draft_int8 = step_ms(draft_model(model, "int8"), loaded, draft, following[:1], args.repeats)
-    verify = step_ms(model, loaded, full, following[: args.draft_length + 1], args.repeats)
+    drafts = {
+        weights: packed_ms(draft_model(model, weights), loaded, draft, following[:1], args.repeats)  # type: ignore[arg-type]
+        for weights in ("same", "bf16", "int8")
+    }
+    verify = packed_ms(model, loaded, full, following[: k + 1], args.repeats)
+    verify_masked = step_ms(model, loaded, full, following[: k + 1], args.repeats)
 
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
         step_ms(model, loaded, full, following[:1], 2)
@@ -64,17 +88,24 @@ def main() -> None:
     attention = sum(ms for key, ms in self_ms.items() if "scaled_dot_product" in key)
     linear = sum(ms for key, ms in self_ms.items() if key in ("aten::mm", "aten::addmm"))
 
-    k = args.draft_length
-    print(f"embedded SmolLM2-135M, fp32, context {args.context}, {torch.get_num_threads()} threads, median of {args.repeats}")
-    print("| forward | ms |")
-    print("|---|---|")
-    print(f"| plain decode step (full cache) | {plain:.1f} |")
-    print(f"| ... of which attention (profiler) | {attention:.1f} |")
-    print(f"| ... of which linear layers (profiler) | {linear:.1f} |")
-    print(f"| draft step, SnapKV-10% cache, fp32 weights | {draft_fp32:.1f} |")
-    print(f"| draft step, SnapKV-10% cache, int8 dynamic weights | {draft_int8:.1f} |")
-    print(f"| verify pass over {k} + 1 tokens (full cache) | {verify:.1f} |")
-    for name, draft_cost in (("fp32", draft_fp32), ("int8", draft_int8)):
+    weights = linear_weight_bytes(model)
+    full_kv, draft_kv = attended_bytes(full), attended_bytes(draft)
+    rows = [
+        ("plain decode step (full cache)", plain, weights + full_kv),
+        ("draft step, SnapKV-10% cache, fp32 weights", drafts["same"], weights + draft_kv),
+        ("draft step, SnapKV-10% cache, bf16 weights", drafts["bf16"], linear_weight_bytes(draft_model(model, "bf16")) + draft_kv),
+        ("draft step, SnapKV-10% cache, int8 dynamic weights", drafts["int8"], linear_weight_bytes(draft_model(model, "int8")) + draft_kv),
+        (f"verify of {k} + 1 tokens, engine path (split attention)", verify, weights + full_kv),
+        (f"verify of {k} + 1 tokens, one masked attention call", verify_masked, weights + full_kv),
+    ]
+    print(f"embedded SmolLM2-135M, fp32, context {args.context}, {torch.get_num_threads()} threads, median of {args.repeats}, load avg {os.getloadavg()[0]:.2f}")
+    print("| forward | ms | vs plain step | MB read | GB/s |")
+    print("|---|---|---|---|---|")
+    for name, ms, nbytes in rows:
+        print(f"| {name} | {ms:.1f} | {ms / plain:.2f}x | {nbytes / 1e6:.0f} | {nbytes / ms / 1e6:.1f} |")
+    print(f"| ... plain step: attention (profiler) | {attention:.1f} | | | |")
+    print(f"| ... plain step: linear layers (profiler) | {linear:.1f} | | | |")
+    for name, draft_cost in (("fp32", drafts["same"]), ("bf16", drafts["bf16"]), ("int8", drafts["int8"])):
         ceiling = (k + 1) * plain / (k * draft_cost + verify)
         limit = plain / draft_cost
         print(f"ceiling with {name} drafts, every draft accepted: {ceiling:.2f}x at k={k}, {limit:.2f}x as k grows")

@@ -1,7 +1,7 @@
 """Plain (full-KV) generation: configuration, sampling, stopping and the decode loop."""
 
 from kvlab.generation.config import GenerationConfig
-from kvlab.generation.loop import generate
+from kvlab.generation.loop import decode, generate
 from kvlab.generation.outputs import GenerationOutput, GenerationStats, RequestOutput
 from kvlab.generation.sampling import select_next_tokens, token_probabilities
 
@@ -10,6 +10,7 @@ __all__ = [
     "GenerationOutput",
     "GenerationStats",
     "RequestOutput",
+    "decode",
     "generate",
     "select_next_tokens",
     "token_probabilities",

@@ -9,6 +9,9 @@ full model's greedy output, and sampling (rejection sampling) follows the full m
 
 from __future__ import annotations
 
+import torch
+
+from kvlab.cache import KVCache
 from kvlab.cache.tiers import move_to_tier
 from kvlab.errors import ConfigError
 from kvlab.generation.config import GenerationConfig
@@ -62,20 +65,30 @@ def generate_lossless(
     return run.finish()
 
 
-def admit_prefilled(run: LosslessRun, request: int, prompt: list[int]) -> None:
-    """Prefill `prompt` into a full and a draft cache, emit its first token and add it to `run`."""
+def admit_prefilled(
+    run: LosslessRun, request: int, prompt: list[int], prefilled: tuple[KVCache, KVCache, torch.Tensor] | None = None
+) -> None:
+    """Prefill `prompt` into a full and a draft cache, emit its first token and add it to `run`.
+
+    Args:
+        prefilled: The prompt's full cache, draft cache and [1, V] last logits, when already computed
+            (`kvlab.generation.prefill.prefill` with the run's drafter; the caches are consumed).
+    """
     capacity = run.capacity(prompt)
-    full, draft, logits = prefill(
-        run.loaded,
-        [prompt],
-        capacity,
-        drafter=run.lossless.drafter,
-        prefix=run.prefix,
-        stats=run.stats,
-        prefix_resolutions=EXACT,
-        chunk_tokens=run.config.prefill_chunk_tokens,
-    )
-    assert draft is not None
+    if prefilled is None:
+        full, draft, logits = prefill(
+            run.loaded,
+            [prompt],
+            capacity,
+            drafter=run.lossless.drafter,
+            prefix=run.prefix,
+            stats=run.stats,
+            prefix_resolutions=EXACT,
+            chunk_tokens=run.config.prefill_chunk_tokens,
+        )
+        assert draft is not None
+    else:
+        full, draft, logits = prefilled
     first_token = int(select_next_tokens(logits, run.config, run.generator)[0])
     full = move_to_tier(full, run.loader, capacity)
     run.admit(new_sequence(run, request, prompt, full, draft, [first_token], 1), [first_token])
