@@ -33,7 +33,7 @@ test: setup
 	$(BIN)/python -m pytest
 
 demo: setup
-	$(BIN)/kvlab demo --prompt-file examples/long_prompt.txt --max-new-tokens 96
+	$(BIN)/kvlab demo --prompt-file examples/long_prompt.txt
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks

@@ -157,11 +157,15 @@ def test_compare_modes_marks_lossless_identical_and_finds_the_lossy_divergence()
     assert first_divergence([1, 2], [1, 2, 3]) == 2
     loaded = tiny_llama(num_kv_heads=2)
     compressor = create_compressor("streamingllm", budget=6)
-    results = compare_modes(loaded, _prompts(80)[0], GenerationConfig(max_new_tokens=30), compressor, LosslessConfig(compressor, 4))
+    config = GenerationConfig(max_new_tokens=30, full_kv_tier="emulated:5")
+    results = compare_modes(loaded, _prompts(80, 60), config, compressor, LosslessConfig(compressor, 4))
     by_mode = {result.mode: result for result in results}
     assert by_mode["full"].identical_to_full and by_mode["lossless"].identical_to_full
     assert not by_mode["lossy"].identical_to_full
     assert by_mode["lossy"].first_divergence is not None
+    # Full decoding reads the whole full KV per token; lossy never; lossless once per round.
+    assert by_mode["lossy"].tier_bytes_per_token == 0
+    assert 0 < by_mode["lossless"].tier_bytes_per_token < by_mode["full"].tier_bytes_per_token
 
 
 @pytest.mark.parametrize("weights", ["bf16", "int8"])

@@ -241,6 +241,11 @@ class KVCache:
         return cls(layers, [0] * batch_size)
 
     @property
+    def compressed(self) -> bool:
+        """Some layer is not a plain in-memory `FullKVLayer` (a compressor's layer, or a tiered one)."""
+        return any(type(layer) is not FullKVLayer for layer in self.layers)
+
+    @property
     def batch_size(self) -> int:
         return len(self.seq_lengths)
 

@@ -339,7 +339,7 @@ def move_to_tier(cache: KVCache, loader: TierLoader, capacity: int) -> KVCache:
         return cache
     layers = []
     for index, layer in enumerate(cache.layers):
-        if not isinstance(layer, FullKVLayer):
+        if type(layer) is not FullKVLayer:
             raise ConfigError("only a full (uncompressed) cache can live on a slower tier")
         batch, heads, _, dim = layer.keys.shape
         storage = loader.storage(index, (batch, heads, capacity, dim), layer.keys.dtype, layer.keys.device)

@@ -1,4 +1,4 @@
-"""`kvlab demo`: the same long prompt decoded with the full cache, lossily, and losslessly."""
+"""`kvlab demo`: a batch over one long document decoded with the full KV cache, lossily, and losslessly."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json
+from kvlab.cli.progress import TokenProgress
 from kvlab.compress import compressors
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig
@@ -14,56 +15,97 @@ from kvlab.lossless import LosslessConfig, LosslessOutput
 from kvlab.lossless.compare import compare_modes
 from kvlab.models import DEFAULT_MODEL, load_model
 
+QUESTIONS = (
+    "Summarize the text above in a few sentences.",
+    "What are the key points of the text above?",
+    "Explain the main idea of the text above to a beginner.",
+    "Write three questions a reader might ask about the text above.",
+)
+
 
 class DemoCommand(Command):
     name = "demo"
-    help = "decode one long prompt with the full KV cache, a lossy compressed cache, and losslessly"
+    help = "decode questions about one long document with the full KV cache, a lossy cache, and losslessly"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--prompt-file", type=Path, required=True, help="UTF-8 prompt (chat template applied)")
-        parser.add_argument("--model", default=DEFAULT_MODEL)
-        parser.add_argument("--max-new-tokens", type=int, default=96)
-        parser.add_argument("--compressor", default="streamingllm", help="lossy cache, also the lossless drafter")
+        parser.add_argument("--prompt-file", type=Path, required=True, help="UTF-8 document (chat template applied)")
+        parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file, model dir")
+        parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per question")
+        parser.add_argument("--batch", type=int, default=4, choices=range(1, len(QUESTIONS) + 1), metavar="N",
+                            help=f"questions about the document decoded together (1-{len(QUESTIONS)})")
+        parser.add_argument(
+            "--full-kv-tier", default="emulated:2", metavar="TIER",
+            help="where the full KV lives: emulated:GBPS (default emulated:2, a 2 GB/s link), host, disk, memory",
+        )
+        parser.add_argument("--compressor", default="snapkv", help="lossy cache, also the lossless drafter")
         parser.add_argument(
             "--compressor-arg", action="append", default=None, metavar="KEY=VALUE",
             help="compressor parameter (default: compression_ratio=0.9)",
         )
-        parser.add_argument("--draft-length", default="auto")
+        parser.add_argument("--num-draft-tokens", default="auto", help="tokens drafted per round, or 'auto'")
         add_json_flag(parser)
 
     def run(self, args: argparse.Namespace) -> int:
         if not args.prompt_file.is_file():
             raise ConfigError(f"prompt file not found: {args.prompt_file}")
+        try:
+            document = args.prompt_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"prompt file {args.prompt_file} is not UTF-8 text ({error.reason})") from None
         compressor = compressors.create_from_strings(args.compressor, args.compressor_arg or ["compression_ratio=0.9"])
-        draft_length = args.draft_length if args.draft_length == "auto" else int(args.draft_length)
-        spec = LosslessConfig(compressor, draft_length)
+        num_draft_tokens = args.num_draft_tokens
+        if num_draft_tokens != "auto":
+            try:
+                num_draft_tokens = int(num_draft_tokens)
+            except ValueError:
+                raise ConfigError(f"--num-draft-tokens must be a positive integer or 'auto', got {num_draft_tokens!r}") from None
+        lossless = LosslessConfig(compressor, num_draft_tokens)
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens, full_kv_tier=args.full_kv_tier)
         loaded = load_model(args.model)
-        prompt = loaded.encode_prompt(args.prompt_file.read_text(encoding="utf-8"))
-        results = compare_modes(loaded, prompt, GenerationConfig(max_new_tokens=args.max_new_tokens), compressor, spec)
+        prompts = [loaded.encode_prompt(f"{document}\n\n{question}") for question in QUESTIONS[: args.batch]]
+        with TokenProgress(total=3 * args.batch * args.max_new_tokens, enabled=not args.json) as progress:
+            results = compare_modes(loaded, prompts, config, compressor, lossless, progress.update)
         if args.json:
             print_json(
-                [
-                    {
-                        "mode": r.mode,
-                        "text": r.output.requests[0].text,
-                        "identical_to_full": r.identical_to_full,
-                        "first_divergence": r.first_divergence,
-                        "decode_speedup_vs_full": r.speedup,
-                        "kv_bytes_ratio": r.output.stats.kv_bytes_ratio,
-                        "acceptance_length": r.output.lossless.acceptance_length if isinstance(r.output, LosslessOutput) else None,
-                    }
-                    for r in results
-                ]
+                {
+                    "prompt_tokens": [len(prompt) for prompt in prompts],
+                    "full_kv_tier": args.full_kv_tier,
+                    "modes": [
+                        {
+                            "mode": r.mode,
+                            "texts": [request.text for request in r.output.requests],
+                            "identical_to_full": r.identical_to_full,
+                            "first_divergence": r.first_divergence,
+                            "decode_tokens_per_s": r.output.stats.decode_tokens_per_s,
+                            "decode_speedup_vs_full": r.speedup,
+                            "tier_bytes_per_token": r.tier_bytes_per_token,
+                            "kv_bytes_ratio": r.output.stats.kv_bytes_ratio,
+                            "acceptance_length": r.output.lossless.acceptance_length
+                            if isinstance(r.output, LosslessOutput)
+                            else None,
+                        }
+                        for r in results
+                    ],
+                }
             )
             return EXIT_OK
-        print(f"prompt: {len(prompt)} tokens of {args.prompt_file}; compressor {compressor.to_dict()}\n")
+        print(
+            f"{args.batch} questions about {args.prompt_file} ({len(prompts[0])} tokens each), decoded together; "
+            f"full KV on tier {args.full_kv_tier}; compressor {compressor.to_dict()}\n"
+        )
+        print(f"{'mode':<9} {'output':<24} {'decode tok/s':>12} {'vs full':>8} {'full KV read/token':>19}  acceptance")
         for result in results:
-            stats = result.output.stats
-            verdict = "identical to full KV" if result.identical_to_full else f"diverges at token {result.first_divergence}"
-            extra = f", acceptance length {result.output.lossless.acceptance_length:.1f}" if isinstance(result.output, LosslessOutput) else ""
-            # Lossless mode keeps the full KV for verification; the ratio is that of the drafter's cache.
-            which = "draft KV" if isinstance(result.output, LosslessOutput) else "KV"
-            print(f"== {result.mode}: {verdict}; {which} {stats.kv_bytes_ratio:.1f}x smaller than fp16, "
-                  f"decode {stats.decode_tokens_per_s:.1f} tok/s ({result.speedup:.2f}x full){extra}")
-            print(textwrap.indent(textwrap.fill(result.output.requests[0].text.strip(), 100), "   "), "\n")
+            verdict = "identical to full KV" if result.identical_to_full else f"differs at token {result.first_divergence}"
+            acceptance = (
+                f"{result.output.lossless.acceptance_length:.1f} tokens/round"
+                if isinstance(result.output, LosslessOutput)
+                else "-"
+            )
+            print(
+                f"{result.mode:<9} {verdict:<24} {result.output.stats.decode_tokens_per_s:>12.1f} "
+                f"{result.speedup:>7.2f}x {result.tier_bytes_per_token / 2**20:>15.1f} MiB  {acceptance}"
+            )
+        for result in results:
+            print(f"\n== {result.mode}, question 1:")
+            print(textwrap.indent(textwrap.fill(result.output.requests[0].text.strip(), 100), "   "))
         return EXIT_OK

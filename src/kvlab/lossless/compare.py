@@ -1,4 +1,4 @@
-"""Full-KV vs lossy vs lossless decoding of the same prompt, side by side."""
+"""Full-KV vs lossy vs lossless decoding of the same prompts, side by side."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import dataclasses
 
 from kvlab.compress import Compressor
 from kvlab.generation import GenerationConfig, GenerationOutput, generate
+from kvlab.generation.outputs import ProgressCallback
 from kvlab.lossless.config import LosslessConfig
 from kvlab.lossless.engine import generate_lossless
 from kvlab.models import LoadedModel
@@ -17,10 +18,12 @@ class ModeResult:
 
     Attributes:
         mode: "full", "lossy" or "lossless".
-        output: What `generate` / `generate_lossless` returned for the single prompt.
-        identical_to_full: The generated token ids equal the full-KV ones.
-        first_divergence: Index of the first generated token that differs from full KV, or None.
-        speedup: Full-KV decode time divided by this mode's (tokens after the first).
+        output: What `generate` / `generate_lossless` returned for the prompts.
+        identical_to_full: Every prompt's generated token ids equal the full-KV ones.
+        first_divergence: Index of the first generated token that differs from full KV in any prompt,
+            or None.
+        speedup: This mode's decode tokens/s over full KV's.
+        tier_bytes_per_token: Bytes of full KV read from its tier per generated token.
     """
 
     mode: str
@@ -28,6 +31,7 @@ class ModeResult:
     identical_to_full: bool
     first_divergence: int | None
     speedup: float
+    tier_bytes_per_token: float
 
 
 def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
@@ -39,19 +43,29 @@ def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
 
 
 def compare_modes(
-    loaded: LoadedModel, prompt: list[int], config: GenerationConfig, compressor: Compressor, lossless: LosslessConfig
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    config: GenerationConfig,
+    compressor: Compressor,
+    lossless: LosslessConfig,
+    on_progress: ProgressCallback | None = None,
 ) -> list[ModeResult]:
-    """Decode `prompt` with the full cache, lossily from `compressor`'s cache, and losslessly with `lossless`."""
-    full = generate(loaded, [prompt], config)
+    """Decode `prompts` with the full cache, lossily from `compressor`'s cache, and losslessly with
+    `lossless` (the full KV on `config.full_kv_tier` for full and lossless decoding)."""
+    full = generate(loaded, prompts, config, on_progress)
     outputs = {
         "full": full,
-        "lossy": generate(loaded, [prompt], config, compressor=compressor),
-        "lossless": generate_lossless(loaded, [prompt], config, lossless),
+        "lossy": generate(loaded, prompts, config, on_progress, compressor=compressor),
+        "lossless": generate_lossless(loaded, prompts, config, lossless, on_progress),
     }
-    reference = full.requests[0].token_ids
     results = []
     for mode, output in outputs.items():
-        divergence = first_divergence(output.requests[0].token_ids, reference)
-        speedup = full.stats.decode_s / output.stats.decode_s if output.stats.decode_s > 0 else 0.0
-        results.append(ModeResult(mode, output, divergence is None, divergence, speedup))
+        divergences = [
+            first_divergence(request.token_ids, reference.token_ids)
+            for request, reference in zip(output.requests, full.requests)
+        ]
+        found = [index for index in divergences if index is not None]
+        speedup = output.stats.decode_tokens_per_s / full.stats.decode_tokens_per_s if full.stats.decode_tokens_per_s else 0.0
+        per_token = output.stats.tier_bytes_read / max(output.stats.new_tokens, 1)
+        results.append(ModeResult(mode, output, not found, min(found) if found else None, speedup, per_token))
     return results

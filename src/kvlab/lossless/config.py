@@ -1,0 +1,66 @@
+"""How lossless decoding drafts and verifies."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from kvlab.compress import Compressor
+from kvlab.errors import ConfigError
+from kvlab.lossless.draft_length import DraftLengthController, StepCosts
+from kvlab.models.draft_weights import DRAFT_WEIGHTS, DraftWeights
+from kvlab.store.resolution import get_resolution
+
+Schedule = Literal["staggered", "synchronous"]
+SCHEDULES: tuple[Schedule, ...] = ("staggered", "synchronous")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LosslessConfig:
+    """How to draft and verify (where the full KV lives is `GenerationConfig.full_kv_tier`).
+
+    Attributes:
+        drafter: The compressor whose cache drafts (any registered method).
+        num_draft_tokens: Tokens drafted per round, or "auto": each sequence adapts its own to its
+            measured acceptance and the measured costs of draft and verify forwards.
+        max_num_draft_tokens: Upper bound of adaptive draft lengths.
+        schedule: "staggered" queues a sequence's full-KV load when its round starts, so the load
+            overlaps with drafting (its own and other sequences'); "synchronous" loads it when the
+            verify forward runs.
+        draft_weights: "same" drafts with the model itself (the paper's setting); "bf16" or "int8"
+            with a lower-precision copy, cheaper per step (verification always uses the exact model).
+        prefix_draft: With a prefix store: fetch the prefix at this low-bit resolution first and draft
+            from it while the bit-exact prefix transfers (`kvlab.lossless.remote_prefix`); None fetches
+            only the exact prefix.
+        prefix_draft_chunks: Low-bit chunks the drafter gets: the first one (attention sinks) and the
+            last ones, so the extra transfer stays small (None: every stored chunk).
+    """
+
+    drafter: Compressor
+    num_draft_tokens: int | Literal["auto"] = "auto"
+    max_num_draft_tokens: int = 64
+    schedule: Schedule = "staggered"
+    draft_weights: DraftWeights = "same"
+    prefix_draft: str | None = None
+    prefix_draft_chunks: int | None = 4
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens != "auto" and (
+            not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1
+        ):
+            raise ConfigError(f"num_draft_tokens must be a positive integer or 'auto', got {self.num_draft_tokens!r}")
+        if self.max_num_draft_tokens < 1:
+            raise ConfigError(f"max_num_draft_tokens must be at least 1, got {self.max_num_draft_tokens}")
+        if self.draft_weights not in DRAFT_WEIGHTS:
+            raise ConfigError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {self.draft_weights!r}")
+        if self.prefix_draft is not None and get_resolution(self.prefix_draft).exact:
+            raise ConfigError(f"prefix_draft is the low-bit resolution to draft from, not {self.prefix_draft!r}: use int8 or int4")
+        if self.prefix_draft_chunks is not None and self.prefix_draft_chunks < 1:
+            raise ConfigError(f"prefix_draft_chunks must be at least 1 or None, got {self.prefix_draft_chunks}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+
+    def controller(self, costs: StepCosts) -> DraftLengthController:
+        """A draft-length controller for one sequence, sharing the run's measured `costs`."""
+        fixed = None if self.num_draft_tokens == "auto" else int(self.num_draft_tokens)
+        return DraftLengthController(costs, fixed=fixed, max_num_draft_tokens=self.max_num_draft_tokens)
