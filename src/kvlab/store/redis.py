@@ -81,14 +81,14 @@ class RedisStore(KVStore):
     @classmethod
     def from_url(cls, url: str) -> RedisStore:
         shown = redact_url(url)
+        encode = "percent-encode @ : / # ? in passwords (%40 %3A %2F %23 %3F)"
         try:
             parsed = urlsplit(url)
             port = parsed.port or DEFAULT_PORT
         except ValueError:
-            raise ConfigError(f"redis store URL {shown!r} has an invalid port or address") from None
+            raise ConfigError(f"redis store URL {shown!r} has an invalid port or address; {encode}") from None
         if parsed.fragment:
-            raise ConfigError(f"redis store URL {shown!r} holds a '#': percent-encode @ : / # ? in passwords "
-                              "(%40 %3A %2F %23 %3F)")
+            raise ConfigError(f"redis store URL {shown!r} holds a '#'; {encode}")
         query = parse_qs(parsed.query, keep_blank_values=True)
         options = {"timeout"} | ({"db"} if parsed.scheme == "redis+unix" else set()) | \
                   (set(TLS_OPTIONS) if parsed.scheme == "rediss" else set())
