@@ -73,7 +73,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("llama-mha", "llama", "multi-head attention", {"num_key_value_heads": 4}),
     Family("llama-gqa", "llama", "grouped-query attention (2 query heads per KV head)"),
     Family("qwen2", "qwen2", "q/k/v projection biases"),
-    Family("qwen3", "qwen3", "RMS norm on queries and keys per head (QK-norm)", {"head_dim": 16}),
+    Family("qwen3", "qwen3", "RMS norm on queries and keys per head (QK-norm), head_dim 128 > hidden / heads",
+           {"head_dim": 128}),
     Family("mistral", "mistral", "sliding window on every layer", {"sliding_window": SLIDING_WINDOW}),
     Family(
         "gemma2",
@@ -86,13 +87,14 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "gemma3",
         "gemma3_text",
-        "sliding and global layers, QK-norm, scaled embeddings",
+        "five sliding layers to one global (Gemma 3's pattern), QK-norm, scaled embeddings",
         {
             "head_dim": 16,
+            "num_hidden_layers": 6,
             "num_key_value_heads": 1,
             "sliding_window": SLIDING_WINDOW,
             "query_pre_attn_scalar": 16,
-            "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+            "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
         },
     ),
     Family("phi3", "phi3", "fused qkv and gate/up projections, partial-free rotary"),
@@ -103,7 +105,10 @@ FAMILIES: tuple[Family, ...] = (
            {"rotary_pct": 0.25, "num_key_value_heads": 4}),
 )
 
-FAMILY_NAMES = tuple(family.name for family in FAMILIES)
+
+
+def family_named(name: str) -> Family:
+    return next(family for family in FAMILIES if family.name == name)
 
 
 def family_params(capability: str = "") -> list[Any]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import io
+import json
 import logging
 import os
 import shutil
@@ -20,7 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+import transformers
+from transformers import (
+    CONFIG_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.utils import logging as hf_logging
 
 from kvlab.errors import ConfigError, ModelNotFoundError
@@ -117,6 +128,8 @@ def load_model(name: str | None = None, dtype: str = "float32", device: str = "c
     if gguf_file is not None:
         directory = _converted_gguf_dir(gguf_file)
     with _quiet_transformers():
+        if directory and Path(directory).is_dir():
+            ModelArchitecture.from_config(_local_config(Path(directory)))
         try:
             model: Any = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=DTYPES[dtype])
             tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
@@ -165,6 +178,23 @@ def _resolve(name: str) -> tuple[str, Path | None]:
     return name, None
 
 
+def _local_config(directory: Path) -> PretrainedConfig:
+    """The config of a local model directory, refusing models that need their own Python code."""
+    raw = json.loads((directory / "config.json").read_text())
+    model_type = raw.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        needs_code = "auto_map" in raw
+        raise ConfigError(
+            f"{directory} holds a model of type {model_type!r} that transformers {transformers.__version__} does not "
+            + (
+                "implement: it needs its own Python code (trust_remote_code), which kvlab never runs"
+                if needs_code
+                else "know; kvlab loads only model types transformers implements"
+            )
+        )
+    return AutoConfig.from_pretrained(directory, local_files_only=True)
+
+
 def _not_found_message(name: str) -> str:
     aliases = ", ".join(EMBEDDED_MODELS)
     return (
@@ -181,9 +211,17 @@ def _converted_gguf_dir(gguf_file: Path) -> str:
         return str(target)
     logger.info("converting %s once into %s (later loads are fast)", gguf_file, target)
     with _quiet_transformers():
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            gguf_file.parent, gguf_file=gguf_file.name, local_files_only=True
-        )
+        try:
+            model: Any = AutoModelForCausalLM.from_pretrained(
+                gguf_file.parent, gguf_file=gguf_file.name, local_files_only=True
+            )
+        except (ValueError, NotImplementedError) as error:
+            # transformers names the GGUF architecture it cannot read ("... architecture olmo2 is not supported").
+            raise ConfigError(
+                f"transformers {transformers.__version__} cannot load {gguf_file}: {str(error).rstrip('.')}; pass a transformers "
+                "model directory of the same model instead"
+            ) from None
+        ModelArchitecture.from_config(model.config)
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, local_files_only=True)
         # transformers refuses to save a GGUF-loaded model while it still carries the GGUF quantizer, although
         # the weights are already dequantized to float32.
@@ -220,16 +258,11 @@ def _quiet_transformers() -> Iterator[None]:
     verbosity = hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    # The GGUF converter uses a bare tqdm that only this variable silences.
-    tqdm_disable = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"
+    # The GGUF converter draws a bare tqdm bar on stderr, whatever transformers' progress-bar setting.
     try:
-        yield
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
     finally:
-        if tqdm_disable is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = tqdm_disable
         hf_logging.set_verbosity(verbosity)
         if bars_were_enabled:
             hf_logging.enable_progress_bar()
