@@ -66,6 +66,7 @@ def test_non_utf8_prompt_file_is_a_usage_error(tmp_path: Path, capsys: pytest.Ca
         (["--lossless", "--draft-length", "lots"], "--num-draft-tokens must be a positive integer or 'auto'"),
         (["--full-kv-tier", "tape"], "full KV tier must be memory, host, disk or emulated:GBPS"),
         (["--full-kv-tier", "emulated:0"], "positive bandwidth"),
+        (["--prefix-salt", "tenant-a"], "need --prefix-store"),
         (["--lossless", "--compressor", "kivi"], "with --lossless choose the drafter with --drafter"),
         (["--compressor-arg", "bits=2"], "--compressor-arg needs --compressor"),
     ],

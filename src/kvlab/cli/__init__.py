@@ -8,6 +8,11 @@ import os
 import sys
 from collections.abc import Sequence
 
+from kvlab.threads import prefer_passive_waits
+
+# Before any command module loads torch: the OpenMP runtime reads its wait policy once.
+prefer_passive_waits()
+
 from kvlab.cli.base import EXIT_OK, EXIT_RUNTIME_ERROR, EXIT_USAGE_ERROR, Command
 from kvlab.cli.bench import BenchCommand
 from kvlab.cli.codec import CodecCommand

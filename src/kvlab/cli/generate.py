@@ -82,6 +82,10 @@ class GenerateCommand(Command):
         )
         reuse.add_argument("--prefix-chunk-tokens", type=int, default=256, help="tokens per stored chunk")
         reuse.add_argument(
+            "--prefix-salt", metavar="TEXT",
+            help="namespace of this tenant's keys: other salts can neither read nor probe them (like cache_salt)",
+        )
+        reuse.add_argument(
             "--prefix-resolutions", default="exact", metavar="NAMES",
             help="comma-separated resolutions to save and fetch: exact (default, output identical), raw, int8, "
             "int4 (fetched when faster; int8/int4 change the output)",
@@ -111,21 +115,23 @@ class GenerateCommand(Command):
                     output = generate_lossless(loaded, [prompt_ids], config, lossless, progress.update, prefix=prefix)
                 else:
                     output = generate(loaded, [prompt_ids], config, progress.update, compressor, prefix=prefix)
+            _report(loaded, output, compressor, args.json)
         finally:
             if prefix is not None:
                 prefix.close()  # the chunks this prompt computed are written before exiting
-        _report(loaded, output, compressor, args.json)
         return EXIT_OK
 
 
 def _prefix_config(args: argparse.Namespace) -> PrefixConfig | None:
     if args.prefix_store is None:
-        if args.prefix_resolutions != "exact" or args.prefix_chunk_tokens != 256:
-            raise ConfigError("--prefix-chunk-tokens and --prefix-resolutions need --prefix-store")
+        if args.prefix_resolutions != "exact" or args.prefix_chunk_tokens != 256 or args.prefix_salt:
+            raise ConfigError("--prefix-chunk-tokens, --prefix-resolutions and --prefix-salt need --prefix-store")
         return None
     names = tuple(name.strip() for name in args.prefix_resolutions.split(",") if name.strip())
     low_bit = (args.prefix_draft,) if args.prefix_draft and args.prefix_draft not in names else ()
-    return PrefixConfig(chunk_tokens=args.prefix_chunk_tokens, write=names + low_bit, fetch=names)
+    return PrefixConfig(
+        chunk_tokens=args.prefix_chunk_tokens, write=names + low_bit, fetch=names, cache_salt=args.prefix_salt
+    )
 
 
 def _lossless_config(args: argparse.Namespace) -> LosslessConfig | None:

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from kvlab.compress import create_compressor
-from kvlab.generation.config import GenerationConfig
 from kvlab.generation import generate
+from kvlab.generation.config import GenerationConfig
 from kvlab.generation.prefill import prefill
-from kvlab.models import LoadedModel
 from kvlab.lossless import LosslessConfig, generate_lossless
+from kvlab.models import LoadedModel
 from kvlab.store import KVStore, StoreUnavailableError, create_store
 from kvlab.store.link import ThrottledStore
 from kvlab.store.prefix import PrefixCache, PrefixConfig

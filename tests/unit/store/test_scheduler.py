@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.generation.config import GenerationConfig
 from kvlab.generation import generate
+from kvlab.generation.config import GenerationConfig
 from kvlab.generation.scheduler import FetchAwareScheduler, Request
 from kvlab.models import LoadedModel
 from kvlab.store import create_store
