@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from kvlab.cli import main
 from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids
 from kvlab.generation import GenerationConfig, generate
-from kvlab.models import LoadedModel
 from kvlab.lossless import LosslessConfig, generate_lossless
+from kvlab.models import LoadedModel
 
 pytestmark = pytest.mark.integration
 
@@ -78,3 +79,12 @@ def test_cli_lossless_json_reports_acceptance(embedded_model: LoadedModel, capsy
     assert lossless["token_ids"] == plain["token_ids"]
     assert {"acceptance_length", "rounds", "draft_tokens", "accepted_tokens"} <= set(lossless["stats"])
     assert lossless["stats"]["acceptance_length"] >= 1.0
+
+
+def test_the_fast_verify_path_matches_the_masked_reference_on_a_real_document(embedded_model: LoadedModel) -> None:
+    from tests.unit.cache.test_attention_paths import verify_logits_both_ways
+
+    document = document_token_ids(embedded_model.tokenizer, 1200)
+    fast, reference = verify_logits_both_ways(embedded_model, document[:1183], document[1183:1200])
+    torch.testing.assert_close(fast, reference, rtol=1e-4, atol=1e-4)
+    assert torch.equal(fast.argmax(dim=-1), reference.argmax(dim=-1))

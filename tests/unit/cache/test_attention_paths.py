@@ -60,3 +60,30 @@ def test_merging_two_halves_equals_attention_over_the_union() -> None:
     second = attention_with_lse_reference(queries, keys[:, :, 11:], values[:, :, 11:], 0.3, False)
     whole, _ = attention_with_lse_reference(queries, keys, values, 0.3, False)
     torch.testing.assert_close(merge_attention(*first, *second), whole, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def verify_logits_both_ways(loaded, prompt: list[int], following: list[int]) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Logits of feeding `following` after `prompt`: through the packed forward (split attention) and
+    through one masked attention call per layer (the reference)."""
+    from kvlab.cache import KVCache, Segment, forward, run_packed
+
+    caches = []
+    for _ in range(2):
+        cache = KVCache.allocate(loaded.architecture, 1, len(prompt) + len(following), loaded.dtype, loaded.device)
+        forward(loaded.model, cache, torch.tensor([prompt]), logits_to_keep=1)
+        caches.append(cache)
+    fast = run_packed(loaded.model, [Segment(caches[0], len(following))], [following], list(range(len(following))))
+    reference = forward(loaded.model, caches[1], torch.tensor([following]))[0]
+    return fast, reference
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_a_verify_forward_through_the_fast_path_matches_the_masked_one_on_a_model(kv_heads: int) -> None:
+    from tests.conftest import tiny_llama
+
+    loaded = tiny_llama(num_kv_heads=kv_heads)
+    generator = torch.Generator().manual_seed(kv_heads)
+    tokens = torch.randint(3, 96, (120,), generator=generator).tolist()
+    fast, reference = verify_logits_both_ways(loaded, tokens[:100], tokens[100:])
+    torch.testing.assert_close(fast, reference, rtol=1e-4, atol=1e-4)
+    assert torch.equal(fast.argmax(dim=-1), reference.argmax(dim=-1))
