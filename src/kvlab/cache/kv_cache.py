@@ -270,6 +270,25 @@ class KVCache:
             layer.append(keys, values, counts)
         self.advance(counts)
 
+    def restore_chunks(
+        self, starts: list[int], chunks: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str
+    ) -> None:
+        """Append stored chunks of a single-row cache's sequence, in order (prefix reuse).
+
+        A chunk after a gap is stored right after the previous ones (compacted) while the sequence
+        length jumps over the gap, so later tokens get their true positions.
+
+        Args:
+            starts: Sequence position of each chunk's first token (increasing, >= the current length).
+            chunks: Per chunk, ([L, H_kv, T, D] keys, values) for every layer.
+            device: Where the cache's tensors live.
+        """
+        for start, (keys, values) in zip(starts, chunks):
+            if start > self.seq_lengths[0]:
+                self.advance(start - self.seq_lengths[0])
+            layer_kv = [(keys[layer][None].to(device), values[layer][None].to(device)) for layer in range(keys.shape[0])]
+            self.append(layer_kv, [keys.shape[2]])
+
     def drop_last(self, counts: int | list[int]) -> None:
         """Roll back the counts[b] most recent tokens of each row."""
         per_row = [counts] * self.batch_size if isinstance(counts, int) else counts

@@ -67,8 +67,4 @@ class FetchedPrefix:
         Chunks after a gap are stored right after the previous ones (compacted) while the cache's
         sequence length jumps over the gap, so later tokens get their true positions.
         """
-        for start, (keys, values) in zip(self.starts, self.chunks):
-            if start > cache.seq_lengths[0]:
-                cache.advance(start - cache.seq_lengths[0])
-            layer_kv = [(keys[layer][None].to(device), values[layer][None].to(device)) for layer in range(keys.shape[0])]
-            cache.append(layer_kv, [keys.shape[2]])
+        cache.restore_chunks(self.starts, self.chunks, device)
