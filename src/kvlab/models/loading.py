@@ -114,7 +114,11 @@ def load_model(name: str | None = None, dtype: str = "float32", device: str = "c
 
     Args:
         name: None or "smollm2" for the embedded default; see `kvlab ls` for other aliases.
-        dtype: "float32" (the exactness guarantees are stated for it), "bfloat16" or "float16".
+        dtype: "float32", "bfloat16" or "float16". kvlab's equality claims (identity compression,
+            lossless decoding, prefix reuse, greedy output equal to transformers') are bit-level in
+            float32. In bfloat16/float16 they hold at the argmax level: on a GPU the fused attention
+            and matmul kernels may round partial sums differently between kvlab's call shapes and
+            the reference's, so logits can differ in their last bits.
         device: A torch device string ("cpu", "cuda", "cuda:1").
 
     Raises:

@@ -87,7 +87,7 @@ def _tensors(model: PreTrainedModel, arch: str) -> dict[str, np.ndarray]:
     for gguf_name, hf_name in gguf_to_hf.items():
         if hf_name not in state or (gguf_name == "output.weight" and model.config.tie_word_embeddings):
             continue
-        weights = state[hf_name].float().numpy()
+        weights = state[hf_name].detach().float().cpu().numpy()
         if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
             heads = model.config.num_attention_heads if ".attn_q." in gguf_name else model.config.num_key_value_heads
             weights = _permute_rotary_rows(weights, heads)

@@ -2,11 +2,11 @@
 and timings that wait for the device.
 
 Three checks. A scan of the compressor and cache sources for `.numpy()` (a device tensor must never
-be read back to the host there). And every compressor on the `meta` device: a tensor without data
-makes any host read (`.numpy()`, `.item()`, `bool()`, `.tolist()`) fail, so a method that passes
-never moves data off its device. And the stopwatch synchronizes the device at both ends. Codecs and
-the disk tier are outside both: they turn KV into bytes on the host by
-contract, moving it with one explicit `.cpu()` (`Codec.encode`) or `.to("cpu")` (the disk tier).
+be read back to the host there). Every compressor on the `meta` device: a tensor without data makes
+any host read (`.numpy()`, `.item()`, `bool()`, `.tolist()`) fail, so a method that passes never
+moves data off its device. And the stopwatch synchronizes the device at both ends. Codecs and the
+disk tier are outside the first two: they turn KV into bytes on the host by contract, moving it with
+one explicit `.cpu()` (`Codec.encode`) or `.to("cpu")` (the disk tier).
 """
 
 from __future__ import annotations

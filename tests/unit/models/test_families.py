@@ -126,8 +126,8 @@ def test_codecs_round_trip_the_familys_kv(family: Family, codec: str) -> None:
     loaded = family.build()
     cache, _, _ = prefill(loaded, [PROMPT], len(PROMPT))
     for kind in ("keys", "values"):
-        # [L, H_kv, T, D]: every layer's KV of the prompt, as a prefix store would ship it.
-        tensor = torch.cat([getattr(layer, kind)[:, :, : len(PROMPT)] for layer in cache.layers])
+        # [L, H_kv, T, D]: every layer's KV of the prompt, as a prefix store would ship it (codecs work on the host).
+        tensor = torch.cat([getattr(layer, kind)[:, :, : len(PROMPT)] for layer in cache.layers]).cpu()
         params = {**CODEC_MATRIX[codec][0], **({"kind": kind} if "kind" in CODEC_MATRIX[codec][0] else {})}
         built = create_codec(codec, **params)
         decoded = built.decode(built.encode(tensor))

@@ -19,7 +19,7 @@ from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, generate
 from kvlab.models import EMBEDDED_MODELS, LoadedModel, load_model
 from tests.conftest import tiny_tokenizer, transformers_greedy
-from tests.families import Family, family_named, family_params
+from tests.families import TEST_DEVICE, Family, family_named, family_params
 from tests.unit.models.gguf_files import write_gguf
 
 PROMPT = [(5 * i + 7) % 90 + 3 for i in range(24)]
@@ -61,7 +61,7 @@ def test_a_transformers_directory_of_every_family_loads_unchanged(family: Family
     directory = tmp_path / family.name
     family.build_hf().save_pretrained(directory)
     tiny_tokenizer().save_pretrained(directory)
-    loaded = load_model(str(directory))
+    loaded = load_model(str(directory), device=TEST_DEVICE)
     assert loaded.architecture == family.build().architecture
     assert_same_weights(family, loaded)
     assert_generates_as_transformers(loaded)
@@ -74,7 +74,7 @@ def _gguf_params() -> list[object]:
 @pytest.mark.parametrize("family", _gguf_params())
 def test_a_gguf_file_of_every_family_loads_with_the_same_weights(family: Family, tmp_path: Path) -> None:
     path = write_gguf(family.build_hf(), tiny_tokenizer(), tmp_path / f"{family.name}.gguf")
-    loaded = load_model(str(path))
+    loaded = load_model(str(path), device=TEST_DEVICE)
     expected = family.build().architecture
     if family.model_type in GGUF_READS_AS:
         assert loaded.architecture.model_type == GGUF_READS_AS[family.model_type]
