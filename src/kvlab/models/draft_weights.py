@@ -49,7 +49,9 @@ def draft_model(model: PreTrainedModel, weights: DraftWeights) -> PreTrainedMode
 def _bf16_copy(model: PreTrainedModel) -> PreTrainedModel:
     if next(model.parameters()).dtype == torch.bfloat16:
         return model
-    return copy.deepcopy(model).to(torch.bfloat16)
+    duplicate = copy.deepcopy(model)
+    duplicate.bfloat16()
+    return duplicate
 
 
 def _int8_copy(model: PreTrainedModel) -> PreTrainedModel:
