@@ -33,7 +33,7 @@ from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids
 from kvlab.generation import GenerationConfig, GenerationOutput, generate
 from kvlab.generation.scheduler import FetchAwareScheduler, Request
-from kvlab.lossless import LosslessConfig, generate_lossless
+from kvlab.lossless import LosslessConfig, LosslessOutput, generate_lossless
 from kvlab.models import LoadedModel, load_model
 from kvlab.store import KVStore, create_store
 from kvlab.store.link import ThrottledStore
@@ -71,8 +71,8 @@ def run_mode(loaded: LoadedModel, prompt: list[int], prefix: PrefixCache, new_to
     if lossless_from is None:
         return generate(loaded, [prompt], config, prefix=prefix)
     # The drafter already sees only a window of the prefix (its first and last chunks): it keeps all of it.
-    spec = LosslessConfig(create_compressor("snapkv", compression_ratio=0.0), "auto", prefix_draft=lossless_from)
-    return generate_lossless(loaded, [prompt], config, spec, prefix=prefix)
+    lossless = LosslessConfig(create_compressor("snapkv", compression_ratio=0.0), "auto", prefix_draft=lossless_from)
+    return generate_lossless(loaded, [prompt], config, lossless, prefix=prefix)
 
 
 def total_s(output: GenerationOutput) -> float:
@@ -134,7 +134,7 @@ def main() -> None:
                 "identical": output.requests[0].token_ids == reference,
                 "fetched_bytes": sum(f.nbytes for f in output.stats.prefix_fetches),
                 "resolutions": resolutions,
-                "acceptance_length": output.lossless.acceptance_length if output.lossless else None,
+                "acceptance_length": output.lossless.acceptance_length if isinstance(output, LosslessOutput) else None,
             })
 
     scheduler_rows = []
