@@ -44,8 +44,19 @@ def _spin(stop_at: float) -> None:
         pass
 
 
+def policy_environment(policy: str) -> dict[str, str]:
+    """The environment of a policy: ACTIVE / PASSIVE, "default" (the runtime decides), or "SPIN:N"
+    (libgomp spins N times at a barrier, then sleeps)."""
+    env = {key: value for key, value in os.environ.items() if key not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    if policy.startswith("SPIN:"):
+        env["GOMP_SPINCOUNT"] = policy.partition(":")[2]
+    elif policy != "default":
+        env["OMP_WAIT_POLICY"] = policy
+    return env
+
+
 def measure(policy: str, competitors: int, context: int, new_tokens: int) -> dict[str, float]:
-    env = dict(os.environ, OMP_WAIT_POLICY=policy)
+    env = policy_environment(policy)
     spinners = [multiprocessing.Process(target=_spin, args=(time.time() + 3600,)) for _ in range(competitors)]
     for spinner in spinners:
         spinner.start()
@@ -65,7 +76,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--competitors", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--policies", nargs="+", default=["ACTIVE", "PASSIVE"])
+    parser.add_argument(
+        "--policies", nargs="+", default=["ACTIVE", "default", "SPIN:10000", "PASSIVE"],
+        help="ACTIVE, PASSIVE, default (unset), SPIN:N (GOMP_SPINCOUNT=N)",
+    )
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     results = {(p, n): measure(p, n, args.context, args.new_tokens) for p in args.policies for n in args.competitors}

@@ -123,8 +123,8 @@ def attend_newest(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     num_prefix = num_keys - num_queries
     folded = queries.reshape(1, kv_heads, group * num_queries, dim)
     if num_queries == 1:
-        output, _ = attention_with_lse(folded, keys, values, scaling, causal=False)
-        return output.reshape(1, heads, 1, dim)
+        # Every key is visible: one unmasked call, which needs no log-sum-exp.
+        return F.scaled_dot_product_attention(folded, keys, values, scale=scaling).reshape(1, heads, 1, dim)
     block_keys, block_values = keys[:, :, num_prefix:], values[:, :, num_prefix:]
     if group > 1:
         block_keys = block_keys.repeat_interleave(group, dim=1)

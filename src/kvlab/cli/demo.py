@@ -30,12 +30,12 @@ class DemoCommand(Command):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--prompt-file", type=Path, required=True, help="UTF-8 document (chat template applied)")
         parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file, model dir")
-        parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per question")
+        parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per question")
         parser.add_argument("--batch", type=int, default=4, choices=range(1, len(QUESTIONS) + 1), metavar="N",
                             help=f"questions about the document decoded together (1-{len(QUESTIONS)})")
         parser.add_argument(
-            "--full-kv-tier", default="emulated:2", metavar="TIER",
-            help="where the full KV lives: emulated:GBPS (default emulated:2, a 2 GB/s link), host, disk, memory",
+            "--full-kv-tier", default="emulated:0.5", metavar="TIER",
+            help="where the full KV lives: emulated:GBPS (default emulated:0.5, a 0.5 GB/s link), host, disk, memory",
         )
         parser.add_argument("--compressor", default="snapkv", help="lossy cache, also the lossless drafter")
         parser.add_argument(
