@@ -15,8 +15,8 @@ from kvlab.data import document_token_ids
 from kvlab.generation import GenerationConfig, generate
 from kvlab.generation.outputs import GenerationStats
 from kvlab.generation.prefill import prefill
-from kvlab.models import LoadedModel
 from kvlab.lossless import LosslessConfig, generate_lossless
+from kvlab.models import LoadedModel
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 
 pytestmark = pytest.mark.integration
