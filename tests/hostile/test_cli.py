@@ -97,7 +97,7 @@ def test_codec_decode_refuses_a_hostile_frame_with_one_line(
     case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     source = frames_file(tmp_path / "frames.safetensors", {"keys": hostile_frames((3, 2, CHUNK, 16))[case]})
-    assert main(["codec", "decode", str(source), str(tmp_path / "out.safetensors")]) == 2
+    assert main(["codec", "decode", str(source), str(tmp_path / "out.safetensors")]) == 1  # bad data: runtime failure
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "tensor 'keys'" in err, err
     assert not (tmp_path / "out.safetensors").exists()
@@ -112,12 +112,28 @@ def test_codec_decode_of_a_valid_foreign_frame_decodes_it(
     key_frame = chunk[12 : 12 + int.from_bytes(chunk[4:12], "little")]
     source = frames_file(tmp_path / "frames.safetensors", {"keys": key_frame})
     assert main(["codec", "decode", str(source), str(tmp_path / "out.safetensors"), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)[0]["tensor"] == "keys"
+    assert json.loads(capsys.readouterr().out)["tensors"][0]["tensor"] == "keys"
 
 
 def test_codec_decode_refuses_frames_above_the_size_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from kvlab.codec import create_codec
 
     source = frames_file(tmp_path / "frames.safetensors", {"keys": create_codec("zstd").encode(torch.zeros(64, 64))})
-    assert main(["codec", "decode", str(source), str(tmp_path / "out.safetensors"), "--max-tensor-bytes", "1000"]) == 2
+    assert main(["codec", "decode", str(source), str(tmp_path / "out.safetensors"), "--max-tensor-bytes", "1000"]) == 1
     assert "above the limit of 1000" in capsys.readouterr().err
+
+
+def test_a_full_disk_for_the_disk_tier_is_one_line_and_exit_1(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    def full_disk(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setenv("KVLAB_TIER_DIR", str(tmp_path / "tiers"))
+    monkeypatch.setattr(os, "posix_fallocate", full_disk)
+    code = main(["generate", "--model", str(model_dir), "--raw", "--prompt", PROMPT, "--max-new-tokens", "4",
+                 "--full-kv-tier", "disk"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and "No space left on device" in err[0], err

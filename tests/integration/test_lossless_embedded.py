@@ -74,10 +74,10 @@ def test_cli_lossless_json_reports_acceptance(embedded_model: LoadedModel, capsy
     argv = ["generate", "--prompt", text, "--max-new-tokens", "24", "--json"]
     assert main(argv) == 0
     plain = json.loads(capsys.readouterr().out)
-    assert main([*argv, "--lossless", "--drafter", "kivi", "--drafter-arg", "bits=4", "--draft-length", "8"]) == 0
+    assert main([*argv, "--lossless", "--drafter", "kivi", "--drafter-arg", "bits=4", "--num-draft-tokens", "8"]) == 0
     lossless = json.loads(capsys.readouterr().out)
     assert lossless["token_ids"] == plain["token_ids"]
-    assert {"acceptance_length", "rounds", "draft_tokens", "accepted_tokens"} <= set(lossless["stats"])
+    assert {"acceptance_length", "rounds", "num_draft_tokens", "num_accepted_tokens"} <= set(lossless["stats"])
     assert lossless["stats"]["acceptance_length"] >= 1.0
 
 

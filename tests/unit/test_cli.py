@@ -74,3 +74,102 @@ def test_non_utf8_prompt_file_is_a_usage_error(tmp_path: Path, capsys: pytest.Ca
 def test_bad_lossless_options_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "--prompt", "hi", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvlab import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"kvlab {__version__}"
+
+
+@pytest.mark.parametrize(
+    "argv", [["-v", "ls"], ["ls", "-v"], ["ls", "--verbose"], ["store", "ls", "-v", "memory://"], ["codec", "-v", "bench"]]
+)
+def test_verbose_is_accepted_before_and_after_the_subcommand(argv: list[str]) -> None:
+    from kvlab.cli import build_parser
+
+    parser, _ = build_parser()
+    assert parser.parse_args(argv).verbose is True
+    assert parser.parse_args(["ls"]).verbose is False
+
+
+def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--help"]) == 0
+    assert "(default: 256)" in capsys.readouterr().out
+
+
+def test_a_closed_pipe_is_not_a_failure() -> None:
+    """`kvlab ls | head`: the reader is gone before kvlab writes (its end of the pipe is closed)."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvlab.cli", "ls"], stdout=write_end, stderr=subprocess.PIPE, text=True, check=False
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 0, done.stderr
+    assert "BrokenPipe" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_prompt_files_are_read_from_stdin_with_a_dash(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from kvlab.cli.base import read_prompt_file
+
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("Ünïcode prompt".encode())))
+    assert read_prompt_file(Path("-")) == "Ünïcode prompt"
+
+
+def test_a_directory_is_not_a_prompt_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--prompt-file", str(tmp_path)]) == 2
+    assert "prompt file not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("device", "message"), [("cuda:7", "CUDA device"), ("tpu", "unknown device")])
+def test_a_device_this_machine_lacks_is_a_usage_error(device: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has that many CUDA devices")
+    assert main(["generate", "--prompt", "hi", "--device", device]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_streamed_text_holds_back_what_may_become_a_stop_string() -> None:
+    import io
+
+    from kvlab.cli.progress import TextStream
+
+    out = io.StringIO()
+    stream = TextStream(lambda tokens: "".join(chr(token) for token in tokens), ("STOP",), out)
+    stream(1, [ord("x")])  # another request: not this stream's
+    for chunk in ("Hel", "lo S", "T", "OP", " more"):
+        stream(0, [ord(c) for c in chunk])
+        assert "S" not in out.getvalue()  # "S", "ST", "STO" may start the stop string; "STOP" ends the text
+    assert out.getvalue() == "Hello "
+    stream.finish("Hello ")  # the output's text is cut before the stop string
+    assert out.getvalue() == "Hello \n"
+
+
+def test_streamed_text_waits_for_a_complete_character_and_calls_back_once() -> None:
+    import io
+
+    from kvlab.cli.progress import TextStream
+
+    def decode(tokens: list[int]) -> str:  # tokens 2 and 3 are the two bytes of "é"
+        tail = {(): "", (2,): "\ufffd", (2, 3): "é"}[tuple(tokens[1:])]
+        return "a" + tail
+
+    out, calls = io.StringIO(), []
+    stream = TextStream(decode, (), out)
+    stream.on_first = lambda: calls.append(1)
+    stream(0, [1, 2])
+    assert out.getvalue() == "a"
+    stream(0, [3])
+    assert out.getvalue() == "aé" and calls == [1]

@@ -8,12 +8,13 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kvlab.threads import prefer_passive_waits
+from kvlab import __version__
+from kvlab.threads import configure_wait_policy
 
 # Before any command module loads torch: the OpenMP runtime reads its wait policy once.
-prefer_passive_waits()
+configure_wait_policy()
 
-from kvlab.cli.base import EXIT_OK, EXIT_RUNTIME_ERROR, EXIT_USAGE_ERROR, Command
+from kvlab.cli.base import EXIT_OK, EXIT_RUNTIME_ERROR, EXIT_USAGE_ERROR, Command, add_subcommand
 from kvlab.cli.bench import BenchCommand
 from kvlab.cli.codec import CodecCommand
 from kvlab.cli.demo import DemoCommand
@@ -29,12 +30,14 @@ COMMANDS: tuple[type[Command], ...] = (
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
     parser = argparse.ArgumentParser(prog="kvlab", description="KV-cache compression you can trust.")
+    parser.add_argument("--version", action="version", version=f"kvlab {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details and show tracebacks")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands = {}
     for command_class in COMMANDS:
         command = command_class()
-        command.add_arguments(subparsers.add_parser(command.name, help=command.help, description=command.help))
+        subparser = add_subcommand(subparsers, command.name, command.help)
+        command.add_arguments(subparser)
         commands[command.name] = command
     return parser, commands
 
@@ -56,6 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvlab: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`kvlab ls | head`): not a failure; keep Python from reporting it at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except Exception as error:
         if args.verbose or os.environ.get("KVLAB_DEBUG"):
             raise

@@ -6,7 +6,10 @@ import abc
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any, ClassVar
+
+from kvlab.errors import ConfigError
 
 EXIT_OK = 0
 EXIT_RUNTIME_ERROR = 1
@@ -24,6 +27,34 @@ class Command(abc.ABC):
 
     @abc.abstractmethod
     def run(self, args: argparse.Namespace) -> int: ...
+
+
+def add_subcommand(
+    subparsers: argparse._SubParsersAction, name: str, help: str  # type: ignore[type-arg]
+) -> argparse.ArgumentParser:
+    """A (sub)command's parser: defaults shown in its help, and `-v` accepted after its name too."""
+    # SUPPRESS keeps a `-v` given earlier on the command line when this one is absent.
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    return subparsers.add_parser(  # type: ignore[no-any-return]
+        name, help=help, description=help, parents=[verbose], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+
+
+def read_prompt_file(path: Path) -> str:
+    """The UTF-8 text of `path`; `-` (or /dev/stdin) reads standard input, as Unix tools do.
+
+    Raises:
+        ConfigError: The file does not exist or is not UTF-8 text.
+    """
+    try:
+        if str(path) == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
+        if not path.exists() or path.is_dir():
+            raise ConfigError(f"prompt file not found: {path}")
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"prompt file {path} is not UTF-8 text ({error.reason})") from None
 
 
 def print_json(payload: Any) -> None:

@@ -12,7 +12,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json
+from kvlab.cli.base import EXIT_OK, Command, add_json_flag, add_subcommand, print_json
 from kvlab.cli.progress import TokenProgress
 from kvlab.codec import DEFAULT_MAX_DECODED_BYTES, CodecError, ExpectedFrame, codecs, decode_frame
 from kvlab.codec.bench import DEFAULT_CASES, CodecBenchStats, bench_codecs, collect_kv
@@ -28,18 +28,18 @@ class CodecCommand(Command):
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         verbs = parser.add_subparsers(dest="codec_verb", required=True, metavar="VERB")
-        bench = verbs.add_parser("bench", help="ratio, speed and error of every codec on the model's KV")
+        bench = add_subcommand(verbs, "bench", "ratio, speed and error of every codec on the model's KV")
         bench.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file, model dir or cached hub id")
         bench.add_argument("--context", type=int, default=4096, help="tokens of the bundled document to prefill")
         bench.add_argument("--codecs", default="", help="comma-separated codec names to run (default: all rows)")
         add_json_flag(bench)
-        encode = verbs.add_parser("encode", help="encode every tensor of a safetensors file into codec frames")
+        encode = add_subcommand(verbs, "encode", "encode every tensor of a safetensors file into codec frames")
         encode.add_argument("input", type=Path, help="safetensors file of float tensors (e.g. keys, values)")
         encode.add_argument("output", type=Path, help="safetensors file of frames to write")
         encode.add_argument("--codec", default="byteplane", help="codec name (see `kvlab ls`)")
         encode.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="codec parameter")
         add_json_flag(encode)
-        decode = verbs.add_parser("decode", help="decode a file written by `kvlab codec encode`")
+        decode = add_subcommand(verbs, "decode", "decode a file written by `kvlab codec encode`")
         decode.add_argument("input", type=Path, help="safetensors file of frames")
         decode.add_argument("output", type=Path, help="safetensors file of tensors to write")
         decode.add_argument(
@@ -65,6 +65,10 @@ def _bench(args: argparse.Namespace) -> int:
         codecs.get(name)
     cases = [case for case in DEFAULT_CASES if not selected or case.codec in selected]
     loaded = load_model(args.model)
+    if args.context > loaded.architecture.max_context:
+        raise ConfigError(
+            f"--context {args.context} exceeds {loaded.name}'s context of {loaded.architecture.max_context} tokens"
+        )
     keys, values = collect_kv(loaded, args.context)
     with TokenProgress(total=len(cases), enabled=not args.json, unit="codec") as progress:
         results = bench_codecs(keys, values, cases, on_progress=lambda _: progress.update(1))
@@ -90,6 +94,7 @@ def _table(results: list[CodecBenchStats]) -> str:
 
 
 def _encode(args: argparse.Namespace) -> int:
+    _check_output(args.output)
     tensors = _load(args.input)
     explicit = [assignment.partition("=")[0].strip() for assignment in args.set]
     has_kind = any(param.name == "kind" for param in codecs.parameters(args.codec))
@@ -112,10 +117,17 @@ def _encode(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_output(path: Path) -> None:
+    """Refuse an output path whose directory does not exist, before any work is done."""
+    if not path.parent.is_dir():
+        raise ConfigError(f"cannot write {path}: directory {path.parent} does not exist")
+
+
 def _decode(args: argparse.Namespace) -> int:
     if args.max_tensor_bytes < 1:
         raise ConfigError(f"--max-tensor-bytes must be at least 1, got {args.max_tensor_bytes}")
     expected = ExpectedFrame(max_bytes=args.max_tensor_bytes)
+    _check_output(args.output)
     frames = _load(args.input, expect_frames=True)
     tensors: dict[str, torch.Tensor] = {}
     for name, frame in frames.items():
@@ -124,7 +136,8 @@ def _decode(args: argparse.Namespace) -> int:
         try:
             tensors[name] = decode_frame(frame.numpy().tobytes(), expected)
         except CodecError as error:
-            raise ConfigError(f"{args.input}: tensor {name!r}: {error}") from None
+            # Bad data is a runtime failure (exit 1), not a usage error.
+            raise CodecError(f"{args.input}: tensor {name!r}: {error}") from None
     save_file(tensors, str(args.output))
     _report([{"tensor": name, "shape": list(t.shape), "dtype": str(t.dtype)} for name, t in tensors.items()], args.json)
     return EXIT_OK
@@ -161,7 +174,7 @@ def _kind_of(name: str) -> str:
 
 def _report(rows: list[dict[str, Any]], as_json: bool) -> None:
     if as_json:
-        print_json(rows)
+        print_json({"tensors": rows})
         return
     for row in rows:
         extra = f" -> {row['bytes']} bytes ({row['ratio']:.3f}x, {row['lossless']})" if "bytes" in row else ""

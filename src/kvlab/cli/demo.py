@@ -6,7 +6,7 @@ import argparse
 import textwrap
 from pathlib import Path
 
-from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json
+from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json, read_prompt_file
 from kvlab.cli.progress import TokenProgress
 from kvlab.compress import compressors
 from kvlab.errors import ConfigError
@@ -28,7 +28,9 @@ class DemoCommand(Command):
     help = "decode questions about one long document with the full KV cache, a lossy cache, and losslessly"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--prompt-file", type=Path, required=True, help="UTF-8 document (chat template applied)")
+        parser.add_argument(
+            "--prompt-file", type=Path, required=True, help="UTF-8 document, - reads stdin (chat template applied)"
+        )
         parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file, model dir")
         parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per question")
         parser.add_argument("--batch", type=int, default=4, choices=range(1, len(QUESTIONS) + 1), metavar="N",
@@ -46,12 +48,7 @@ class DemoCommand(Command):
         add_json_flag(parser)
 
     def run(self, args: argparse.Namespace) -> int:
-        if not args.prompt_file.is_file():
-            raise ConfigError(f"prompt file not found: {args.prompt_file}")
-        try:
-            document = args.prompt_file.read_text(encoding="utf-8")
-        except UnicodeDecodeError as error:
-            raise ConfigError(f"prompt file {args.prompt_file} is not UTF-8 text ({error.reason})") from None
+        document = read_prompt_file(args.prompt_file)
         compressor = compressors.create_from_strings(args.compressor, args.compressor_arg or ["compression_ratio=0.9"])
         num_draft_tokens = args.num_draft_tokens
         if num_draft_tokens != "auto":

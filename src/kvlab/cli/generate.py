@@ -7,8 +7,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json
-from kvlab.cli.progress import TokenProgress
+from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json, read_prompt_file
+from kvlab.cli.progress import TextStream, TokenProgress
 from kvlab.compress import Compressor, compressors
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, GenerationOutput, generate
@@ -25,7 +25,7 @@ class GenerateCommand(Command):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         source = parser.add_mutually_exclusive_group(required=True)
         source.add_argument("--prompt", help="prompt text")
-        source.add_argument("--prompt-file", type=Path, help="read the prompt from this UTF-8 file")
+        source.add_argument("--prompt-file", type=Path, help="read the prompt from this UTF-8 file (- reads stdin)")
         parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file, model dir or cached hub id")
         parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and KV dtype")
         parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
@@ -109,13 +109,22 @@ class GenerateCommand(Command):
         loaded = load_model(args.model, dtype=args.dtype, device=args.device)
         prefix = None if prefix_config is None else PrefixCache.for_model(loaded, args.prefix_store, prefix_config)
         prompt_ids = loaded.encode_prompt(text, raw=args.raw)
+        # Text streams to stdout as it is generated (not with --json); an interrupt keeps what was shown.
+        stream = None if args.json else TextStream(loaded.decode, config.stop_strings, sys.stdout)
         try:
-            with TokenProgress(total=config.max_new_tokens, enabled=not args.json) as progress:
+            with TokenProgress(total=config.max_new_tokens, first_phase="prefill") as progress:
+                if stream is not None and sys.stdout.isatty():
+                    stream.on_first = progress.close  # a bar would interleave with the streamed text
+                output: GenerationOutput
                 if lossless is not None:
-                    output = generate_lossless(loaded, [prompt_ids], config, lossless, progress.update, prefix=prefix)
+                    output = generate_lossless(
+                        loaded, [prompt_ids], config, lossless, progress.update, prefix=prefix, on_tokens=stream
+                    )
                 else:
-                    output = generate(loaded, [prompt_ids], config, progress.update, compressor, prefix=prefix)
-            _report(loaded, output, compressor, args.json)
+                    output = generate(
+                        loaded, [prompt_ids], config, progress.update, compressor, prefix=prefix, on_tokens=stream
+                    )
+            _report(loaded, output, compressor, stream)
         finally:
             if prefix is not None:
                 prefix.close()  # the chunks this prompt computed are written before exiting
@@ -171,19 +180,15 @@ def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         text = str(args.prompt)
     else:
-        path: Path = args.prompt_file
-        if not path.is_file():
-            raise ConfigError(f"prompt file not found: {path}")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as error:
-            raise ConfigError(f"prompt file {path} is not UTF-8 text ({error.reason})") from None
+        text = read_prompt_file(args.prompt_file)
     if not text.strip():
         raise ConfigError("the prompt is empty; pass some text with --prompt or --prompt-file")
     return text
 
 
-def _report(loaded: LoadedModel, output: GenerationOutput, compressor: Compressor | None, as_json: bool) -> None:
+def _report(
+    loaded: LoadedModel, output: GenerationOutput, compressor: Compressor | None, stream: TextStream | None
+) -> None:
     request = output.requests[0]
     stats = dataclasses.asdict(output.stats)
     if isinstance(output, LosslessOutput):
@@ -197,7 +202,7 @@ def _report(loaded: LoadedModel, output: GenerationOutput, compressor: Compresso
             verify_s=rounds.verify_s,
             kv_load_s=rounds.kv_load_s,
         )
-    if as_json:
+    if stream is None:
         print_json(
             {
                 "model": loaded.name,
@@ -210,7 +215,7 @@ def _report(loaded: LoadedModel, output: GenerationOutput, compressor: Compresso
             }
         )
         return
-    print(request.text)
+    stream.finish(request.text)
     print(
         f"\n[{loaded.name}] prompt {stats['prompt_tokens']} tokens, generated {stats['new_tokens']} "
         f"({request.stop_reason}); TTFT {stats['ttft_s']:.2f} s, decode {stats['decode_tokens_per_s']:.1f} tokens/s, "

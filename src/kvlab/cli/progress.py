@@ -3,26 +3,39 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from types import TracebackType
+from typing import TextIO
 
 from tqdm import tqdm
 
 
 class TokenProgress:
-    """A stderr bar counting generated tokens with live tokens/s; silent when disabled or not a TTY."""
+    """A stderr bar counting generated tokens with live tokens/s; silent when disabled or not a TTY.
 
-    def __init__(self, total: int, enabled: bool = True, unit: str = "tok") -> None:
+    Labelled `first_phase` (e.g. "prefill") until the first tokens arrive, then `unit`s are counted.
+    """
+
+    def __init__(self, total: int, enabled: bool = True, unit: str = "tok", first_phase: str | None = None) -> None:
         self._bar = tqdm(
             total=total,
             unit=unit,
+            desc=first_phase,
             file=sys.stderr,
             disable=not enabled or not sys.stderr.isatty(),
             leave=False,
             dynamic_ncols=True,
         )
+        self._started = first_phase is None
 
     def update(self, count: int) -> None:
+        if not self._started:
+            self._bar.set_description("decode")
+            self._started = True
         self._bar.update(count)
+
+    def close(self) -> None:
+        self._bar.close()
 
     def __enter__(self) -> TokenProgress:  # noqa: PYI034
         return self
@@ -31,3 +44,46 @@ class TokenProgress:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self._bar.close()
+
+
+class TextStream:
+    """Writes one request's text to `out` as its tokens arrive (a `TokenCallback`).
+
+    Text is only ever appended: what could still become a stop string, or an incomplete multi-byte
+    character, is held back until the tokens that follow settle it, and `finish` writes the rest of
+    the final text (cut before a stop string, as the output's text is).
+    """
+
+    def __init__(
+        self, decode: Callable[[list[int]], str], stop_strings: tuple[str, ...], out: TextIO, request: int = 0
+    ) -> None:
+        self.decode = decode
+        self.out = out
+        self.request = request
+        self.stop_strings = stop_strings
+        self.hold = max((len(stop) for stop in stop_strings), default=1) - 1
+        self.tokens: list[int] = []
+        self.written = ""
+        self.on_first: Callable[[], None] | None = None
+
+    def __call__(self, request: int, tokens: list[int]) -> None:
+        if request != self.request:
+            return
+        if self.on_first is not None:
+            self.on_first()
+            self.on_first = None
+        self.tokens.extend(tokens)
+        text = self.decode(self.tokens).rstrip("\ufffd")
+        stops = [index for index in (text.find(stop) for stop in self.stop_strings) if index >= 0]
+        # Before a completed stop string everything is settled; otherwise the tail may still become one.
+        settled = text[: min(stops)] if stops else text[: max(len(text) - self.hold, 0)]
+        if settled.startswith(self.written) and len(settled) > len(self.written):
+            self.out.write(settled[len(self.written) :])
+            self.out.flush()
+            self.written = settled
+
+    def finish(self, final_text: str) -> None:
+        """Write what is left of `final_text` and end the line."""
+        rest = final_text[len(self.written) :] if final_text.startswith(self.written) else ""
+        self.out.write(rest + "\n")
+        self.out.flush()

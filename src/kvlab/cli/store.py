@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvlab.cli.base import EXIT_OK, EXIT_RUNTIME_ERROR, Command, add_json_flag, print_json
+from kvlab.cli.base import EXIT_OK, EXIT_RUNTIME_ERROR, Command, add_json_flag, add_subcommand, print_json
 from kvlab.errors import ConfigError
 from kvlab.store import KVStore, StoreUnavailableError, check_key, create_store
 
@@ -22,28 +22,29 @@ class StoreCommand(Command):
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         verbs = parser.add_subparsers(dest="store_verb", required=True, metavar="VERB")
-        ls = verbs.add_parser("ls", help="list keys with their sizes and the total")
+        ls = add_subcommand(verbs, "ls", "list keys with their sizes and the total")
         ls.add_argument("url", help=URL_HELP)
         ls.add_argument("--prefix", default="", help="only keys that start with this")
         add_json_flag(ls)
-        put = verbs.add_parser("put", help="store the bytes of a file under a key")
+        put = add_subcommand(verbs, "put", "store the bytes of a file under a key")
         put.add_argument("url", help=URL_HELP)
         put.add_argument("key", help="store key (A-Z a-z 0-9 _ - ., up to 200 characters)")
         put.add_argument("file", help="file to read, or - for stdin")
-        get = verbs.add_parser("get", help="write the bytes under a key to stdout or a file")
+        get = add_subcommand(verbs, "get", "write the bytes under a key to stdout or a file")
         get.add_argument("url", help=URL_HELP)
         get.add_argument("key", help="store key")
         get.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
-        rm = verbs.add_parser("rm", help="remove keys (absent keys are not an error)")
+        rm = add_subcommand(verbs, "rm", "remove keys (absent keys are not an error)")
         rm.add_argument("url", help=URL_HELP)
         rm.add_argument("keys", nargs="+", metavar="KEY", help="store keys")
-        stats = verbs.add_parser("stats", help="number of keys and total bytes")
+        stats = add_subcommand(verbs, "stats", "number of keys and total bytes")
         stats.add_argument("url", help=URL_HELP)
         add_json_flag(stats)
 
     def run(self, args: argparse.Namespace) -> int:
         actions = {"ls": _ls, "put": _put, "get": _get, "rm": _rm, "stats": _stats}
-        store = create_store(args.url)
+        # Only `put` may create a store: reading a mistyped path must not leave an empty one behind.
+        store = create_store(args.url, create=args.store_verb == "put")
         try:
             return actions[args.store_verb](store, args)
         except StoreUnavailableError as error:

@@ -16,6 +16,7 @@ from kvlab.generation.outputs import (
     GenerationOutput,
     GenerationStats,
     ProgressCallback,
+    TokenCallback,
     collect_requests,
     finish_timing,
 )
@@ -35,6 +36,7 @@ def generate(
     on_progress: ProgressCallback | None = None,
     compressor: Compressor | None = None,
     prefix: PrefixSource | None = None,
+    on_tokens: TokenCallback | None = None,
 ) -> GenerationOutput:
     """Generate a continuation of each prompt, from the full KV cache or a compressed one.
 
@@ -49,6 +51,7 @@ def generate(
         compressor: Compress each prompt's KV after prefill and decode from it (None: full cache).
         prefix: Restore stored prompt prefixes and save new ones (see `kvlab.store.PrefixCache`);
             with bit-exact resolutions the output is identical to computing every prompt token.
+        on_tokens: Called with each request's tokens as they are emitted (streaming).
     """
     check_prompts(loaded, prompts, config.max_new_tokens)
     stopwatch = Stopwatch(loaded.device)
@@ -57,7 +60,7 @@ def generate(
     cache, _, logits = prefill(
         loaded, prompts, capacity, compressor, prefix=prefix, stats=stats, chunk_tokens=config.prefill_chunk_tokens
     )
-    return decode(loaded, prompts, cache, logits, config, on_progress, stats, stopwatch)
+    return decode(loaded, prompts, cache, logits, config, on_progress, stats, stopwatch, on_tokens)
 
 
 def decode(
@@ -69,6 +72,7 @@ def decode(
     on_progress: ProgressCallback | None = None,
     stats: GenerationStats | None = None,
     stopwatch: Stopwatch | None = None,
+    on_tokens: TokenCallback | None = None,
 ) -> GenerationOutput:
     """The decode loop of `generate`, from prefilled caches (so one prefill can serve several runs).
 
@@ -77,6 +81,7 @@ def decode(
         logits: [B, V] logits of each prompt's last position.
         stats: Figures gathered so far (prefill); a new record when None.
         stopwatch: Started when the request arrived (TTFT counts from it); now when None.
+        on_tokens: Called with each request's tokens as they are emitted (streaming).
     """
     stopwatch = stopwatch or Stopwatch(loaded.device)
     stats = stats or GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
@@ -89,7 +94,7 @@ def decode(
     if not cache.compressed:  # a compressed cache is the small one that stays in fast memory
         cache = move_to_tier(cache, loader, max(cache.seq_lengths) + config.max_new_tokens)
         stats.tier = config.tier.name
-    rows = BatchRows(len(prompts), checker)
+    rows = BatchRows(len(prompts), checker, on_tokens)
     while True:
         next_tokens = select_next_tokens(logits, config, generator)
         for row, token in enumerate(next_tokens.tolist()):

@@ -15,6 +15,9 @@ from kvlab.store.prefix import FetchStats
 ProgressCallback = Callable[[int], None]
 """Called after every decode step with the number of tokens that step produced (across rows)."""
 
+TokenCallback = Callable[[int, list[int]], None]
+"""Called with (request index, token ids) as a request's tokens are emitted, for streaming."""
+
 
 @dataclasses.dataclass(slots=True)
 class GenerationStats:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvlab.generation.stopping import StopChecker, StopReason
 
 
@@ -12,8 +14,11 @@ class BatchRows:
     that order).
     """
 
-    def __init__(self, num_requests: int, checker: StopChecker) -> None:
+    def __init__(
+        self, num_requests: int, checker: StopChecker, on_tokens: Callable[[int, list[int]], None] | None = None
+    ) -> None:
         self.checker = checker
+        self.on_tokens = on_tokens
         self.generated: list[list[int]] = [[] for _ in range(num_requests)]
         self.reasons: list[StopReason | None] = [None] * num_requests
         self.active = list(range(num_requests))
@@ -21,12 +26,16 @@ class BatchRows:
     def emit(self, row: int, tokens: list[int]) -> int:
         """Append `tokens` to batch row `row` one by one until it stops; returns how many were kept."""
         request = self.active[row]
+        kept = len(tokens)
         for count, token in enumerate(tokens, start=1):
             self.generated[request].append(token)
             self.reasons[request] = self.checker.check(self.generated[request])
             if self.reasons[request] is not None:
-                return count
-        return len(tokens)
+                kept = count
+                break
+        if self.on_tokens is not None and kept:
+            self.on_tokens(request, tokens[:kept])
+        return kept
 
     def remaining(self, row: int) -> int:
         """Tokens batch row `row` may still generate before its length limit."""

@@ -15,7 +15,7 @@ from kvlab.cache import KVCache
 from kvlab.cache.tiers import move_to_tier
 from kvlab.errors import ConfigError
 from kvlab.generation.config import GenerationConfig
-from kvlab.generation.outputs import ProgressCallback
+from kvlab.generation.outputs import ProgressCallback, TokenCallback
 from kvlab.generation.prefill import check_prompts, prefill
 from kvlab.generation.sampling import select_next_tokens
 from kvlab.lossless.config import LosslessConfig
@@ -37,6 +37,7 @@ def generate_lossless(
     lossless: LosslessConfig,
     on_progress: ProgressCallback | None = None,
     prefix: PrefixSource | None = None,
+    on_tokens: TokenCallback | None = None,
 ) -> LosslessOutput:
     """Generate with a compressed-cache drafter and full-cache verification.
 
@@ -51,11 +52,12 @@ def generate_lossless(
         on_progress: Called after each emission with the number of tokens emitted.
         prefix: Restore stored prompt prefixes (into the full and the draft cache; bit-exact chunks
             only, so output stays identical) and save new ones.
+        on_tokens: Called with each request's tokens as they are emitted (streaming).
     """
     check_prompts(loaded, prompts, config.max_new_tokens)
     if lossless.prefix_draft is not None and prefix is None:
         raise ConfigError("drafting from a low-bit prefix (prefix_draft) needs a prefix store")
-    run = LosslessRun(loaded, config, lossless, len(prompts), prefix, on_progress)
+    run = LosslessRun(loaded, config, lossless, len(prompts), prefix, on_progress, on_tokens)
     for request, prompt in enumerate(prompts):
         if lossless.prefix_draft is not None and prefix is not None and admit_remote(run, request, prompt, prefix):
             continue

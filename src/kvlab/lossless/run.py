@@ -14,7 +14,7 @@ import torch
 from kvlab.cache import KVCache, Segment, run_packed
 from kvlab.cache.tiers import TierLoader, request_loads
 from kvlab.generation.config import GenerationConfig
-from kvlab.generation.outputs import GenerationStats, ProgressCallback, collect_requests, finish_timing
+from kvlab.generation.outputs import GenerationStats, ProgressCallback, TokenCallback, collect_requests, finish_timing
 from kvlab.generation.rows import BatchRows
 from kvlab.generation.sampling import draw_tokens
 from kvlab.generation.stopping import StopChecker
@@ -48,6 +48,7 @@ class LosslessRun:
         num_requests: int,
         prefix: PrefixSource | None = None,
         on_progress: ProgressCallback | None = None,
+        on_tokens: TokenCallback | None = None,
     ) -> None:
         self.loaded = loaded
         self.config = config
@@ -59,7 +60,7 @@ class LosslessRun:
         checker = StopChecker(
             loaded.eos_token_ids, config.stop_strings, config.max_new_tokens, loaded.decode, config.ignore_eos
         )
-        self.rows = BatchRows(num_requests, checker)
+        self.rows = BatchRows(num_requests, checker, on_tokens)
         self.stats = GenerationStats()
         self.lossless_stats = LosslessStats()
         self.costs = StepCosts()
@@ -85,7 +86,8 @@ class LosslessRun:
 
     def step(self) -> None:
         """One tick: draw what can be drawn, then one packed forward (two with separate draft weights)."""
-        drafting, verifying = [], []
+        drafting: list[Sequence] = []
+        verifying: list[Sequence] = []
         for sequence in self.sequences:
             self._draw(sequence)
             (verifying if sequence.ready_to_verify else drafting).append(sequence)

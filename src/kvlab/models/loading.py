@@ -127,6 +127,7 @@ def load_model(name: str | None = None, dtype: str = "float32", device: str = "c
     """
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+    check_device(device)
     name = name or DEFAULT_MODEL
     directory, gguf_file = _resolve(name)
     if gguf_file is not None:
@@ -140,6 +141,28 @@ def load_model(name: str | None = None, dtype: str = "float32", device: str = "c
         except OSError as error:
             raise ModelNotFoundError(_not_found_message(name)) from error
     return wrap_model(model.to(device), tokenizer, name=name, source=str(gguf_file or directory))
+
+
+def check_device(device: str) -> None:
+    """Refuse a device string torch cannot parse or this machine does not have, before any loading.
+
+    Raises:
+        ConfigError: Naming the device and what is available.
+    """
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"device {device!r}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu")
+        if parsed.index is not None and parsed.index >= count:
+            raise ConfigError(f"device {device!r}: only {count} CUDA device(s) here (cuda:0 to cuda:{count - 1})")
+    elif parsed.type not in ("cpu", "meta"):
+        available = getattr(torch, parsed.type, None)
+        if available is None or not getattr(available, "is_available", lambda: False)():
+            raise ConfigError(f"device {device!r} is not available on this machine; use --device cpu")
 
 
 def wrap_model(

@@ -34,6 +34,20 @@ class KVStore(abc.ABC):
     url: str = ""
     shared: bool = True
 
+    @classmethod
+    def from_url(cls, url: str, create: bool = True) -> KVStore:
+        """The store at `url` (its scheme is this backend's); every registered scheme implements it,
+        wrappers such as `ThrottledStore` are built around another store instead.
+
+        Args:
+            create: Create the store where it does not exist yet (a directory, for `file://`); read-only
+                callers pass False so that a mistyped URL is an error instead of a new empty store.
+
+        Raises:
+            ConfigError: The URL is malformed, or the store does not exist and `create` is False.
+        """
+        raise ConfigError(f"{cls.__name__} is not opened by URL")
+
     @abc.abstractmethod
     def put(self, key: str, data: bytes) -> None: ...
 
@@ -93,15 +107,19 @@ def check_bytes(data: bytes) -> bytes:
     return bytes(data)
 
 
-def create_store(url: str) -> KVStore:
-    """A store from its URL: `memory://`, `file:///path/to/dir`, ... (`kvlab ls` lists the schemes)."""
+def create_store(url: str, create: bool = True) -> KVStore:
+    """A store from its URL: `memory://`, `file:///path/to/dir`, ... (`kvlab ls` lists the schemes).
+
+    Args:
+        create: Create a store that does not exist yet (see `KVStore.from_url`).
+    """
     try:
         scheme = urlsplit(url).scheme
     except ValueError:
         scheme = ""
     if not scheme:
         raise ConfigError(f"store URL {redact_url(url)!r} has no scheme; use one of: {', '.join(stores.names())}")
-    return stores.get(scheme).from_url(url)  # type: ignore[attr-defined, no-any-return]
+    return stores.get(scheme).from_url(url, create)  # type: ignore[attr-defined, no-any-return]
 
 
 def redact_url(url: str) -> str:

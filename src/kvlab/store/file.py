@@ -40,9 +40,11 @@ class FileStore(KVStore):
     prompts it came from.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, create: bool = True) -> None:
         self.root = root.resolve()
         self.url = f"file://{self.root}"
+        if not create and not self.root.is_dir():
+            raise ConfigError(f"no store at {self.url}: the directory does not exist (check the path)")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -50,11 +52,11 @@ class FileStore(KVStore):
         self._swept: dict[str, float] = {}
 
     @classmethod
-    def from_url(cls, url: str) -> FileStore:
+    def from_url(cls, url: str, create: bool = True) -> FileStore:
         parsed = urlsplit(url)
         if parsed.netloc not in ("", "localhost") or not parsed.path:
             raise ConfigError(f"file store URLs look like file:///absolute/path, got {url!r}")
-        return cls(Path(unquote(parsed.path)))
+        return cls(Path(unquote(parsed.path)), create)
 
     def put(self, key: str, data: bytes) -> None:
         payload = check_bytes(data)

@@ -19,7 +19,7 @@ class MemoryStore(KVStore):
         self._lock = threading.Lock()
 
     @classmethod
-    def from_url(cls, url: str) -> MemoryStore:
+    def from_url(cls, url: str, create: bool = True) -> MemoryStore:
         return cls()
 
     def put(self, key: str, data: bytes) -> None:

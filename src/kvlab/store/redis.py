@@ -79,7 +79,7 @@ class RedisStore(KVStore):
         return int(self._pool.connection_kwargs.get("port", DEFAULT_PORT))
 
     @classmethod
-    def from_url(cls, url: str) -> RedisStore:
+    def from_url(cls, url: str, create: bool = True) -> RedisStore:
         shown = redact_url(url)
         encode = "percent-encode @ : / # ? in passwords (%40 %3A %2F %23 %3F)"
         try:

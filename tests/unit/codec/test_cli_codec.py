@@ -40,8 +40,8 @@ def test_quantized_codecs_take_the_kind_from_the_tensor_name(kv_file: Path, tmp_
     assert decoded["layers.0.keys"].shape == (3, 40, 16)
 
 
-def one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    assert main(argv) == 2
+def one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str], code: int = 2) -> str:
+    assert main(argv) == code
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     return err
@@ -68,8 +68,21 @@ def test_a_corrupted_frames_file_is_a_one_line_error(kv_file: Path, tmp_path: Pa
     tensors = load_file(str(frames))
     tensors["layers.0.values"][-3] ^= 0x10
     save_file(tensors, str(frames), metadata={"format": "kvlab-codec-frames"})
-    err = one_line_error(["codec", "decode", str(frames), str(tmp_path / "out")], capsys)
+    # Bad data is a runtime failure (exit 1), not a usage error.
+    err = one_line_error(["codec", "decode", str(frames), str(tmp_path / "out")], capsys, code=1)
     assert "layers.0.values" in err and "checksum" in err
+
+
+def test_output_into_a_missing_directory_is_refused_before_any_work(
+    kv_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "no" / "such" / "dir" / "out.kvc"
+    assert "does not exist" in one_line_error(["codec", "encode", str(kv_file), str(missing)], capsys)
+    assert "does not exist" in one_line_error(["codec", "decode", str(kv_file), str(missing)], capsys)
+
+
+def test_bench_refuses_a_context_longer_than_the_model_s(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "exceeds" in one_line_error(["codec", "bench", "--context", "100000"], capsys)
 
 
 def test_bench_reports_ratio_speed_and_error_per_codec() -> None:

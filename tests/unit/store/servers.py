@@ -11,7 +11,7 @@ from urllib.parse import quote
 import pytest
 import redis
 
-from tests.conftest import free_port
+from tests.conftest import free_port, stop_process
 
 
 def make_certificates(directory: Path) -> dict[str, Path]:
@@ -99,10 +99,4 @@ class PrivateRedis:
         pytest.fail(f"redis-server did not start: {self.log.read_text(errors='replace')[-2000:]}")
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)

@@ -74,7 +74,11 @@ def test_rm_removes_keys_and_stats_counts_what_is_left(
     assert capsys.readouterr().out == f"{url}: 1 keys, 4 bytes\n"
 
 
-def test_get_of_a_missing_key_exits_1_with_one_line(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_get_of_a_missing_key_exits_1_with_one_line(
+    url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _put(url, "present", b"1", tmp_path)
+    capsys.readouterr()
     assert main(["store", "get", url, "absent"]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -110,3 +114,13 @@ def test_unreachable_redis_exits_1_and_says_how_to_start_it(capsys: pytest.Captu
     assert main(["store", "stats", f"redis://127.0.0.1:{port}/0?timeout=0.5"]) == 1
     err = capsys.readouterr().err.strip()
     assert f"redis-server --port {port}" in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("verb", ["ls", "stats"])
+def test_reading_a_mistyped_file_store_is_a_usage_error_and_creates_nothing(
+    verb: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    typo = tmp_path / "no" / "such" / "store"
+    assert main(["store", verb, f"file://{typo}"]) == 2
+    assert "no store at" in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()

@@ -29,6 +29,20 @@ def test_every_registered_scheme_is_tested() -> None:
     assert sorted(BACKENDS) == stores.names()
 
 
+@pytest.mark.parametrize("scheme", sorted(BACKENDS))
+def test_every_registered_scheme_opens_from_its_url(scheme: str) -> None:
+    backend = stores.get(scheme)
+    assert backend.from_url.__func__ is not KVStore.from_url.__func__, f"{scheme} does not implement from_url"  # type: ignore[attr-defined]
+
+
+def test_reading_a_missing_file_store_creates_nothing(tmp_path: Path) -> None:
+    missing = tmp_path / "typo" / "store"
+    with pytest.raises(ConfigError, match="no store at"):
+        create_store(f"file://{missing}", create=False)
+    assert not (tmp_path / "typo").exists()
+    assert isinstance(create_store(f"file://{missing}"), FileStore) and missing.is_dir()
+
+
 @pytest.fixture(params=sorted(BACKENDS))
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[KVStore]:
     backend = create_store(BACKENDS[request.param](request, tmp_path))
