@@ -88,6 +88,17 @@ def transformers_greedy(loaded: LoadedModel, prompt: list[int], max_new_tokens: 
     return output[0, len(prompt) :].tolist()
 
 
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """Terminate a server the tests started (by its own process), killing it after 5 s."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 class RedisServer:
     """A private redis-server on a free loopback port, without persistence, for the store tests."""
 
@@ -135,13 +146,7 @@ class RedisServer:
             client.flushdb()
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
 
 def free_port() -> int:
