@@ -1,19 +1,22 @@
 """What one forward costs on this machine: the numbers that bound lossless decoding's speed-up.
 
-Usage: .venv/bin/python benchmarks/step_costs.py [--context 8064] [--num-draft-tokens 8] [--repeats 5]
+Usage: .venv/bin/python benchmarks/step_costs.py [--context 8064] [--num-draft-tokens 8] [--repeats 9] [--json PATH]
 
 Prints the median time of: a plain decode step on the full cache; a draft step on a SnapKV-10%
 cache (fp32, bf16 and int8 dynamic-quantized weights) as the lossless engine runs it (a packed
-forward); a verify forward over `--draft-length` + 1 tokens on the full cache, as the engine runs it
-(unmasked GQA-folded prefix + causal block) and through one masked attention call (the reference);
-the time attention and the linear layers take inside a plain step (torch profiler); and, per
-forward, the bytes it reads (linear weights + the KV attention reads) and the bandwidth that implies. With perfect acceptance, lossless decoding emits k + 1 tokens per k draft steps and
-one verify pass, so (k + 1) * plain / (k * draft + verify) is its ceiling; the script prints it.
+forward); a verify forward over `--num-draft-tokens` + 1 tokens on the full cache, as the engine runs
+it (unmasked GQA-folded prefix + causal block) and through one masked attention call (the
+reference); the time attention and the linear layers take inside a plain step (torch profiler); and,
+per forward, the bytes it reads (linear weights + the KV attention reads) and the bandwidth that
+implies. The forwards alternate within each repeat. With perfect acceptance, lossless decoding emits
+k + 1 tokens per k draft steps and one verify, so (k + 1) * plain / (k * draft + verify) is its
+ceiling; the script prints it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -63,7 +66,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=8064)
     parser.add_argument("--num-draft-tokens", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     args = parser.parse_args()
 
     loaded = load_model()
@@ -74,13 +78,22 @@ def main() -> None:
     assert draft is not None
     model = loaded.model
     k = args.num_draft_tokens
-    plain = step_ms(model, loaded, full, following[:1], args.repeats)
-    drafts = {
-        weights: packed_ms(draft_model(model, weights), loaded, draft, following[:1], args.repeats)  # type: ignore[arg-type]
-        for weights in ("same", "bf16", "int8")
+    # Forwards alternate within each repeat, so drift on a shared machine hits every one alike.
+    forwards = {
+        "plain": lambda: step_ms(model, loaded, full, following[:1], 1),
+        "same": lambda: packed_ms(model, loaded, draft, following[:1], 1),
+        "bf16": lambda: packed_ms(draft_model(model, "bf16"), loaded, draft, following[:1], 1),
+        "int8": lambda: packed_ms(draft_model(model, "int8"), loaded, draft, following[:1], 1),
+        "verify": lambda: packed_ms(model, loaded, full, following[: k + 1], 1),
+        "verify_masked": lambda: step_ms(model, loaded, full, following[: k + 1], 1),
     }
-    verify = packed_ms(model, loaded, full, following[: k + 1], args.repeats)
-    verify_masked = step_ms(model, loaded, full, following[: k + 1], args.repeats)
+    samples: dict[str, list[float]] = {name: [] for name in forwards}
+    for _ in range(args.repeats):
+        for name, measure in forwards.items():
+            samples[name].append(measure())
+    median = {name: statistics.median(values) for name, values in samples.items()}
+    plain, verify, verify_masked = median["plain"], median["verify"], median["verify_masked"]
+    drafts = {weights: median[weights] for weights in ("same", "bf16", "int8")}
 
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
         step_ms(model, loaded, full, following[:1], 2)
@@ -103,6 +116,11 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name, ms, nbytes in rows:
         print(f"| {name} | {ms:.1f} | {ms / plain:.2f}x | {nbytes / 1e6:.0f} | {nbytes / ms / 1e6:.1f} |")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "context": args.context, "threads": torch.get_num_threads(), "repeats": args.repeats,
+            "rows": [{"forward": name, "ms": ms, "vs_plain_step": ms / plain, "bytes_read": nbytes} for name, ms, nbytes in rows],
+        }, indent=2))
     print(f"| ... plain step: attention (profiler) | {attention:.1f} | | | |")
     print(f"| ... plain step: linear layers (profiler) | {linear:.1f} | | | |")
     for name, draft_cost in (("fp32", drafts["same"]), ("bf16", drafts["bf16"]), ("int8", drafts["int8"])):
