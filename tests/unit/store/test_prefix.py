@@ -402,3 +402,23 @@ def test_lossy_decoding_with_a_prefix_store_restores_then_compresses(model: Load
     assert output.stats.prefix_reused_tokens == 4 * CHUNK
     assert output.requests[0].token_ids == expected.requests[0].token_ids
     assert output.stats.kv_bytes == expected.stats.kv_bytes
+
+
+def test_a_failure_on_the_exact_prefix_thread_reaches_the_caller(model: LoadedModel) -> None:
+    """The exact prefix transfers on its own thread while the low-bit one drafts; what fails there is
+    raised to the caller as it was, never lost (a missing result used to surface as a KeyError)."""
+    prefix = make_cache(model, write=("exact", "int4"))
+    generate(model, [PROMPT], GenerationConfig(max_new_tokens=1, prefill_chunk_tokens=CHUNK), prefix=prefix)
+    prefix.flush()
+    fetch = prefix.fetch
+
+    def failing_exact_fetch(tokens, resolutions=None, chunks=None):  # type: ignore[no-untyped-def]
+        if resolutions is not None and "int4" not in resolutions:
+            raise RuntimeError("exact transfer failed")
+        return fetch(tokens, resolutions, chunks)
+
+    prefix.fetch = failing_exact_fetch  # type: ignore[method-assign]
+    lossless = LosslessConfig(create_compressor("snapkv"), 4, prefix_draft="int4")
+    config = GenerationConfig(max_new_tokens=6, prefill_chunk_tokens=CHUNK)
+    with pytest.raises(RuntimeError, match="exact transfer failed"):
+        generate_lossless(model, [PROMPT], config, lossless, prefix=prefix)
