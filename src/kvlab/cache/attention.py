@@ -1,10 +1,12 @@
 """Attention of new queries over the keys/values a cache layer stores (pure functions).
 
-Stored keys carry their true sequence positions, so the same code serves a full cache (position ==
-index), a batch whose rows hold different lengths, a sliding window, and later an evicted cache
-whose positions have gaps. When the mask is trivial the call matches transformers' own SDPA call
-exactly (same kernel, same arguments), which is what makes kvlab's logits bit-identical to the
-plain model.
+Stored keys carry their true sequence positions, so `attend` serves a full cache (position ==
+index), a batch whose rows hold different lengths, a sliding window, and an evicted cache whose
+positions have gaps. When the mask is trivial the call matches transformers' own SDPA call exactly
+(same kernel, same arguments), which is what makes kvlab's logits bit-identical to the plain model.
+`attend_newest` is the faster path for one sequence whose queries are its newest keys (the packed
+draft and verify forwards of lossless decoding); `*_reference` functions are what fast paths are
+tested against.
 """
 
 from __future__ import annotations

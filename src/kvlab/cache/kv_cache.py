@@ -3,9 +3,8 @@
 A `KVCache` holds one layer object per model layer and the true sequence length of each batch row.
 Layers decide how they store tokens (`FullKVLayer` keeps every token in a preallocated buffer;
 compressed layers in `kvlab.cache.compressed` and tiered ones in `kvlab.cache.tiers` keep the same
-`KVLayer` contract). Rows of a batch may
-hold different lengths, which is what speculative decoding needs after rows accept different
-numbers of tokens.
+`KVLayer` contract). Rows of a batch may hold different lengths, which is what speculative decoding
+needs after rows accept different numbers of tokens.
 """
 
 from __future__ import annotations
