@@ -15,6 +15,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from kvlab.cache import KVCache, forward
+from kvlab.compress import Compressor
 from kvlab.models import LoadedModel, wrap_model
 
 TINY_VOCAB = 96
@@ -177,3 +179,17 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path / "redis")
     yield server
     server.stop()
+
+
+def assert_identity_compression_is_bit_identical(loaded: LoadedModel, compressor: Compressor, ids: torch.Tensor, label: str) -> None:
+    """A compressor set to keep everything gives the plain cache's logits bit for bit: the prompt
+    ([1, 32] of the 48 `ids`), then 16 decode steps."""
+    plain = KVCache.allocate(loaded.architecture, 1, 64, loaded.dtype, loaded.device)
+    compressed = KVCache.allocate(loaded.architecture, 1, 64, loaded.dtype, loaded.device, compressor)
+    expected = [forward(loaded.model, plain, ids[:, :32])]
+    actual = [forward(loaded.model, compressed, ids[:, :32], compress=True)]
+    for t in range(32, 48):
+        expected.append(forward(loaded.model, plain, ids[:, t : t + 1]))
+        actual.append(forward(loaded.model, compressed, ids[:, t : t + 1]))
+    for step, (want, got) in enumerate(zip(expected, actual)):
+        assert torch.equal(want, got), f"{label}: step {step} differs"

@@ -14,7 +14,7 @@ from kvlab.compress.packing import pack_codes, unpack_codes
 from kvlab.compress.turboquant import _dequantize_mse, _quantize_mse, lloyd_max_codebook
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, generate
-from tests.conftest import tiny_llama
+from tests.conftest import assert_identity_compression_is_bit_identical, tiny_llama
 from tests.reference import eviction as ref_eviction
 from tests.reference import quantization as ref_quantization
 
@@ -56,15 +56,7 @@ def test_the_matrix_covers_every_registered_method() -> None:
 def test_keeping_everything_gives_bit_identical_logits(name: str) -> None:
     loaded = tiny_llama(num_kv_heads=2)
     ids = torch.randint(3, 96, (1, 48), generator=torch.Generator().manual_seed(7))
-    plain = KVCache.allocate(loaded.architecture, 1, 64, loaded.dtype, "cpu")
-    compressed = KVCache.allocate(loaded.architecture, 1, 64, loaded.dtype, "cpu", create_compressor(name, **IDENTITY[name]))
-    expected = [forward(loaded.model, plain, ids[:, :32])]
-    actual = [forward(loaded.model, compressed, ids[:, :32], compress=True)]
-    for t in range(32, 48):
-        expected.append(forward(loaded.model, plain, ids[:, t : t + 1]))
-        actual.append(forward(loaded.model, compressed, ids[:, t : t + 1]))
-    for step, (want, got) in enumerate(zip(expected, actual)):
-        assert torch.equal(want, got), f"{name}: step {step} differs"
+    assert_identity_compression_is_bit_identical(loaded, create_compressor(name, **IDENTITY[name]), ids, name)
 
 
 @pytest.mark.parametrize("name", sorted(METHOD_MATRIX))

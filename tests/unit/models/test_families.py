@@ -13,7 +13,6 @@ import pytest
 import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from kvlab.cache import KVCache, forward
 from kvlab.codec import create_codec
 from kvlab.compress import Compressor, compressors, create_compressor
 from kvlab.errors import ConfigError
@@ -22,7 +21,7 @@ from kvlab.generation.prefill import prefill
 from kvlab.lossless import LosslessConfig, LosslessOutput, generate_lossless
 from kvlab.models import LoadedModel
 from kvlab.store.prefix import PrefixCache, PrefixConfig
-from tests.conftest import transformers_greedy
+from tests.conftest import assert_identity_compression_is_bit_identical, transformers_greedy
 from tests.families import FAMILIES, NOT_IN_MATRIX, Family, family_params
 from tests.unit.codec.matrix import CODEC_MATRIX
 from tests.unit.test_compressors import IDENTITY, METHOD_MATRIX
@@ -73,17 +72,9 @@ def test_greedy_generation_equals_transformers(family: Family) -> None:
 def test_identity_compression_gives_bit_identical_logits(family: Family, compressor: str) -> None:
     loaded = family.build()
     ids = torch.tensor([OTHER_PROMPT[:48]])
-    plain = KVCache.allocate(loaded.architecture, 1, 64, loaded.dtype, loaded.device)
-    compressed = KVCache.allocate(
-        loaded.architecture, 1, 64, loaded.dtype, loaded.device, create_compressor(compressor, **IDENTITY[compressor])
+    assert_identity_compression_is_bit_identical(
+        loaded, create_compressor(compressor, **IDENTITY[compressor]), ids, f"{family.name} {compressor}"
     )
-    expected = [forward(loaded.model, plain, ids[:, :32])]
-    actual = [forward(loaded.model, compressed, ids[:, :32], compress=True)]
-    for t in range(32, 48):
-        expected.append(forward(loaded.model, plain, ids[:, t : t + 1]))
-        actual.append(forward(loaded.model, compressed, ids[:, t : t + 1]))
-    for step, (want, got) in enumerate(zip(expected, actual)):
-        assert torch.equal(want, got), f"{family.name} {compressor}: step {step} differs"
 
 
 def test_the_matrix_drafts_with_every_registered_compressor() -> None:
