@@ -21,9 +21,8 @@ from kvlab.generation.outputs import (
     finish_timing,
 )
 from kvlab.generation.prefill import check_prompts, prefill
-from kvlab.generation.rows import BatchRows
-from kvlab.generation.sampling import select_next_tokens
-from kvlab.generation.stopping import StopChecker
+from kvlab.generation.rows import batch_rows
+from kvlab.generation.sampling import sampling_generator, select_next_tokens
 from kvlab.models import LoadedModel
 from kvlab.store.prefix import PrefixSource
 from kvlab.timing import Stopwatch
@@ -85,16 +84,13 @@ def decode(
     """
     stopwatch = stopwatch or Stopwatch(loaded.device)
     stats = stats or GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
-    generator = None if config.greedy else torch.Generator(loaded.device).manual_seed(config.seed)
-    checker = StopChecker(
-        loaded.eos_token_ids, config.stop_strings, config.max_new_tokens, loaded.decode, config.ignore_eos
-    )
+    generator = sampling_generator(config, loaded.device)
     stats.record_cache(cache)
     loader = TierLoader(config.tier)
     if not cache.compressed:  # a compressed cache is the small one that stays in fast memory
         cache = move_to_tier(cache, loader, max(cache.seq_lengths) + config.max_new_tokens)
         stats.tier = config.tier.name
-    rows = BatchRows(len(prompts), checker, on_tokens)
+    rows = batch_rows(loaded, config, len(prompts), on_tokens)
     while True:
         next_tokens = select_next_tokens(logits, config, generator)
         for row, token in enumerate(next_tokens.tolist()):

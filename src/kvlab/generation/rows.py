@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvlab.generation.config import GenerationConfig
 from kvlab.generation.stopping import StopChecker, StopReason
+from kvlab.models import LoadedModel
 
 
 class BatchRows:
@@ -51,3 +53,17 @@ class BatchRows:
 
     def reason(self, request: int) -> StopReason:
         return self.reasons[request] or "length"
+
+
+def batch_rows(
+    loaded: LoadedModel,
+    config: GenerationConfig,
+    num_requests: int,
+    on_tokens: Callable[[int, list[int]], None] | None = None,
+) -> BatchRows:
+    """Rows of `num_requests` requests that stop as `config` says: on the model's end-of-sequence
+    tokens, on stop strings, or at the length limit."""
+    checker = StopChecker(
+        loaded.eos_token_ids, config.stop_strings, config.max_new_tokens, loaded.decode, config.ignore_eos
+    )
+    return BatchRows(num_requests, checker, on_tokens)

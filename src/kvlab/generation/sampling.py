@@ -56,3 +56,8 @@ def draw_tokens(
         return logits.argmax(dim=-1), None
     probs = token_probabilities(logits, config.temperature, config.top_p)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1), probs
+
+
+def sampling_generator(config: GenerationConfig, device: torch.device | str) -> torch.Generator | None:
+    """The seeded generator sampling draws from (None when greedy: nothing is drawn)."""
+    return None if config.greedy else torch.Generator(device).manual_seed(config.seed)

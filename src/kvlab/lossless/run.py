@@ -15,9 +15,8 @@ from kvlab.cache import KVCache, Segment, run_packed
 from kvlab.cache.tiers import TierLoader, request_loads
 from kvlab.generation.config import GenerationConfig
 from kvlab.generation.outputs import GenerationStats, ProgressCallback, TokenCallback, collect_requests, finish_timing
-from kvlab.generation.rows import BatchRows
-from kvlab.generation.sampling import draw_tokens
-from kvlab.generation.stopping import StopChecker
+from kvlab.generation.rows import batch_rows
+from kvlab.generation.sampling import draw_tokens, sampling_generator
 from kvlab.lossless.acceptance import accept_drafts
 from kvlab.lossless.config import LosslessConfig
 from kvlab.lossless.draft_length import StepCosts
@@ -56,11 +55,8 @@ class LosslessRun:
         self.prefix = prefix
         self.on_progress = on_progress
         self.clock = Stopwatch(loaded.device)
-        self.generator = None if config.greedy else torch.Generator(loaded.device).manual_seed(config.seed)
-        checker = StopChecker(
-            loaded.eos_token_ids, config.stop_strings, config.max_new_tokens, loaded.decode, config.ignore_eos
-        )
-        self.rows = BatchRows(num_requests, checker, on_tokens)
+        self.generator = sampling_generator(config, loaded.device)
+        self.rows = batch_rows(loaded, config, num_requests, on_tokens)
         self.stats = GenerationStats()
         self.lossless_stats = LosslessStats()
         self.costs = StepCosts()
