@@ -251,11 +251,10 @@ class TieredKVLayer(FullKVLayer):
             self.request(row)
             future = self.pending[row]
             assert future is not None
-            if not future.done():
-                clock = Stopwatch()
-                future.result()
+            waited, clock = not future.done(), Stopwatch()
+            future.result()  # re-raises what failed on the loader thread
+            if waited:
                 self.loader.stats.wait_s += clock.elapsed()
-            future.result()
             if consume:
                 self.pending[row] = None
 

@@ -79,6 +79,7 @@ class LosslessRun:
         if self.rows.reasons[sequence.request] is None:
             self.sequences.append(sequence)
             self._start_round(sequence)
+        self.stats.record_caches([s.draft for s in self.sequences] or [sequence.draft])
 
     def step(self) -> None:
         """One tick: draw what can be drawn, then one packed forward (two with separate draft weights)."""
@@ -99,6 +100,8 @@ class LosslessRun:
         else:
             self._forward(self.drafter, drafting, [])
             self._forward(self.loaded.model, [], verifying)
+        if verifying:  # draft caches only grow by the exact KV a verify hands them
+            self.stats.record_caches([s.draft for s in self.sequences])
         self.sequences = [s for s in self.sequences if self.rows.reasons[s.request] is None]
 
     def finish(self) -> LosslessOutput:
@@ -205,7 +208,6 @@ class LosslessRun:
         everyone_admitted = len(self.prompts) == len(self.rows.generated)
         if not self.stats.ttft_s and everyone_admitted and all(self.rows.generated):
             self.stats.ttft_s = self.clock.elapsed()
-        self.stats.record_caches([s.draft for s in self.sequences] or [sequence.draft])
         if self.on_progress is not None:
             self.on_progress(emitted)
 
