@@ -10,7 +10,7 @@ import torch
 
 from kvlab.cli import main
 from kvlab.codec import StreamDecoder, create_codec
-from kvlab.codec.bench import collect_kv
+from kvlab.bench.codec import collect_kv
 from kvlab.codec.layouts import integer_view
 from kvlab.models import LoadedModel
 

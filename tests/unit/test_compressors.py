@@ -10,7 +10,7 @@ import torch
 
 from kvlab.cache import KVCache, forward
 from kvlab.compress import CompressionContext, compressors, create_compressor
-from kvlab.compress.packing import pack_codes, unpack_codes
+from kvlab.quant.packing import pack_codes, unpack_codes
 from kvlab.compress.turboquant import _dequantize_mse, _quantize_mse, lloyd_max_codebook
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, generate

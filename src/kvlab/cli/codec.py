@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from kvlab.cli.base import EXIT_OK, Command, add_json_flag, add_subcommand, print_json
 from kvlab.cli.progress import TokenProgress
 from kvlab.codec import DEFAULT_MAX_DECODED_BYTES, CodecError, ExpectedFrame, codecs, decode_frame
-from kvlab.codec.bench import DEFAULT_CASES, CodecBenchStats, bench_codecs, collect_kv
+from kvlab.bench.codec import DEFAULT_CASES, CodecBenchStats, bench_codecs, collect_kv
 from kvlab.errors import ConfigError
 from kvlab.models import DEFAULT_MODEL, load_model
 
@@ -87,7 +87,7 @@ def _table(results: list[CodecBenchStats]) -> str:
     lines = [header, "-" * len(header)]
     for r in results:
         lines.append(
-            f"{r.label:<26} {r.bits_per_value:>10.3f} {r.ratio_vs_fp16:>7.3f}x {r.encode_mb_s:>9.1f} "
+            f"{r.label:<26} {r.bits_per_value:>10.3f} {r.reduction_vs_fp16:>7.3f}x {r.encode_mb_s:>9.1f} "
             f"{r.decode_mb_s:>9.1f} {r.lossless:<10} {'yes' if r.verified else 'NO':<8} {r.max_abs_error:>11.3g}"
         )
     return "\n".join(lines)

@@ -8,7 +8,7 @@ import numpy as np
 
 from kvlab.codec.base import ChunkShape, check_level, codecs, num_elements, zstd_compress, zstd_decompress
 from kvlab.codec.quantized import QuantizedCodec
-from kvlab.compress.packing import pack_codes, unpack_codes
+from kvlab.quant.packing import pack_codes, unpack_codes
 
 
 @codecs.register("quant_zstd")

@@ -28,7 +28,7 @@ from kvlab.codec.base import (
 )
 from kvlab.codec.errors import CodecError
 from kvlab.codec.framing import chunk_bounds, pack_sections, unpack_sections
-from kvlab.compress.groupwise import BITS, QuantizedGroups, dequantize, kv_axis, num_groups, quantize
+from kvlab.quant.groupwise import BITS, QuantizedGroups, dequantize, kv_axis, num_groups, quantize
 from kvlab.errors import ConfigError
 
 META_LEVEL = 3

@@ -8,8 +8,8 @@ from typing import ClassVar
 import torch
 
 from kvlab.compress.base import FP16_BYTES, compressors
-from kvlab.compress.groupwise import QuantizedGroups, dequantize, quantize
-from kvlab.compress.packing import packed_nbytes
+from kvlab.quant.groupwise import QuantizedGroups, dequantize, quantize
+from kvlab.quant.packing import packed_nbytes
 from kvlab.compress.quantization import (
     FULL_PRECISION_BITS,
     QuantizationCompressor,

@@ -22,7 +22,7 @@ FULL_PRECISION_BITS = 16
 
 
 def pack_code_tensor(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes in [0, 2**bits) packed on their own device, with the bytes of `kvlab.compress.packing.pack_codes`.
+    """Codes in [0, 2**bits) packed on their own device, with the bytes of `kvlab.quant.packing.pack_codes`.
 
     Args:
         codes: Integer codes of any shape (flattened in order).

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from kvlab.compress.base import FP16_BYTES, compressors
-from kvlab.compress.packing import packed_nbytes
+from kvlab.quant.packing import packed_nbytes
 from kvlab.compress.quantization import (
     FULL_PRECISION_BITS,
     QuantizationCompressor,

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvlab.cli import main
-from kvlab.codec.bench import BenchCase, bench_codecs
+from kvlab.bench.codec import BenchCase, bench_codecs
 from kvlab.codec.layouts import integer_view
 from tests.unit.codec.matrix import random_kv
 
@@ -90,7 +90,7 @@ def test_bench_reports_ratio_speed_and_error_per_codec() -> None:
     cases = [BenchCase("raw", "raw"), BenchCase("byteplane", "byteplane"), BenchCase("q4", "quant_zstd", {"bits": 4})]
     results = {r.label: r for r in bench_codecs(keys, values, cases)}
     assert all(r.verified for r in results.values())
-    assert results["raw"].ratio_vs_fp16 < 1.0 < results["byteplane"].ratio_vs_fp16 < results["q4"].ratio_vs_fp16
+    assert results["raw"].reduction_vs_fp16 < 1.0 < results["byteplane"].reduction_vs_fp16 < results["q4"].reduction_vs_fp16
     assert results["raw"].max_abs_error == 0.0 < results["q4"].max_abs_error
     assert (results["raw"].lossless, results["q4"].lossless) == ("bit-exact", "codes")
     assert results["q4"].num_values == keys.numel() + values.numel()

@@ -10,7 +10,7 @@ import torch
 from kvlab.codec import CodecError
 from kvlab.codec.layouts import as_tokens, integer_view
 from kvlab.codec.quantized import QuantizedCodec
-from kvlab.compress.groupwise import error_bound
+from kvlab.quant.groupwise import error_bound
 from kvlab.errors import ConfigError
 from tests.unit.codec.matrix import build, matrix_params, random_kv
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.compress.groupwise import dequantize, error_bound, kv_axis, quantize
-from kvlab.compress.packing import pack_codes, unpack_codes
+from kvlab.quant.groupwise import dequantize, error_bound, kv_axis, quantize
+from kvlab.quant.packing import pack_codes, unpack_codes
 from tests.unit.codec.matrix import random_kv
 
 

@@ -21,7 +21,7 @@ import torch
 
 import kvlab
 from kvlab.compress import CompressionContext, compressors, create_compressor
-from kvlab.compress.packing import pack_codes, unpack_codes
+from kvlab.quant.packing import pack_codes, unpack_codes
 from kvlab.compress.quantization import pack_code_tensor, unpack_code_tensor
 from kvlab.timing import Stopwatch, synchronize
 from tests.unit.test_compressors import METHOD_MATRIX
@@ -35,7 +35,7 @@ HOST_STORAGE: dict[str, str] = {
 """Modules whose purpose is host storage, with why their `.numpy()` calls are not hidden round trips."""
 
 HOST_READS_ON_META: dict[str, str] = {
-    "kivi": "compress/groupwise.py quantize() checks finiteness with bool(torch.isfinite(x).all()), a host read",
+    "kivi": "quant/groupwise.py quantize() checks finiteness with bool(torch.isfinite(x).all()), a host read",
     "cam": "compress/cam.py makes a torch.Generator on the KV's device (none exists for meta) and reads evicted "
     "positions with .nonzero().tolist(), a host read",
 }
