@@ -1,6 +1,6 @@
 """KV store for prefix reuse: content keys, byte-store backends by URL scheme, chunk authentication."""
 
-from kvlab.store import file, memory, redis
+from kvlab.store import file, memory, redis, redis_cluster
 from kvlab.store.auth import ChunkAuthError, ChunkSealer, load_secret
 from kvlab.store.base import KVStore, StoreUnavailableError, check_key, create_store, redact_url, stores
 from kvlab.store.keys import chunk_keys, fingerprint
@@ -19,5 +19,6 @@ __all__ = [
     "memory",
     "redact_url",
     "redis",
+    "redis_cluster",
     "stores",
 ]

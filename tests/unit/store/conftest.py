@@ -1,4 +1,4 @@
-"""Store fixtures beyond the shared redis-server: one reached through a Unix socket, one through TLS."""
+"""Store fixtures beyond the shared redis-server: one reached through a Unix socket, one through TLS, a cluster."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.unit.store.redis_cluster_nodes import LocalRedisCluster
 from tests.unit.store.servers import PrivateRedis
 
 
@@ -35,3 +36,17 @@ def rediss_url(redis_tls_server: PrivateRedis) -> str:
     """`rediss://` URL (CA and client certificate) of a TLS-only server, emptied before each test."""
     redis_tls_server.flush()
     return redis_tls_server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    cluster = LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster"))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster: LocalRedisCluster) -> str:
+    """`redis+cluster://` URL of a 3-node loopback cluster, emptied before each test."""
+    redis_cluster.flush()
+    return redis_cluster.url

@@ -22,6 +22,7 @@ BACKENDS: dict[str, Callable[[pytest.FixtureRequest, Path], str]] = {
     "redis": lambda request, tmp: str(request.getfixturevalue("redis_url")),
     "redis+unix": lambda request, tmp: str(request.getfixturevalue("redis_unix_url")),
     "rediss": lambda request, tmp: str(request.getfixturevalue("rediss_url")),
+    "redis+cluster": lambda request, tmp: str(request.getfixturevalue("redis_cluster_url")),
 }
 
 
