@@ -1,30 +1,39 @@
 """Quality and fidelity metrics: pure functions of strings or token ids, every score in [0, 1].
 
 Answer normalization follows LongBench (`normalize_answer`: lower case, no punctuation, no articles,
-single spaces), which itself follows the SQuAD evaluation script. ROUGE-L tokenizes as the
+single spaces), which itself follows the SQuAD evaluation script. `rouge_l` tokenizes as the
 `rouge-score` package does by default (lower case, runs of characters other than a-z and 0-9 split
 tokens, no stemming) and returns the LCS F-measure, so its values equal
-`RougeScorer(["rougeL"]).score(reference, prediction)["rougeL"].fmeasure`.
+`RougeScorer(["rougeL"]).score(reference, prediction)["rougeL"].fmeasure`; it is the convention for
+XSum and Multi-LexSum. LongBench's datasets are scored with LongBench's own metrics instead
+(`longbench_score`, in `kvlab.bench.longbench_metrics`), whose ROUGE-L differs.
 """
 
 from __future__ import annotations
 
-import collections
 import re
-import string
 from collections.abc import Callable, Sequence
 
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCTUATION = frozenset(string.punctuation)
+from kvlab.bench.longbench_metrics import longbench_score, normalize_answer, qa_f1_score
+
+__all__ = [
+    "best_over_references",
+    "exact_match",
+    "f1_score",
+    "first_divergence",
+    "lcs_length",
+    "longbench_score",
+    "matched_prefix_fraction",
+    "normalize_answer",
+    "output_exact_match",
+    "rouge_l",
+    "rouge_tokens",
+    "string_match_all",
+]
+
 _ROUGE_SPLIT = re.compile(r"[^a-z0-9]+")
 
 Metric = Callable[[str, str], float]
-
-
-def normalize_answer(text: str) -> str:
-    """LongBench/SQuAD normalization: lower case, drop punctuation and articles, collapse spaces."""
-    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
-    return " ".join(_ARTICLES.sub(" ", text).split())
 
 
 def exact_match(prediction: str, reference: str) -> float:
@@ -34,15 +43,7 @@ def exact_match(prediction: str, reference: str) -> float:
 
 def f1_score(prediction: str, reference: str) -> float:
     """Token F1 of the normalized strings (LongBench `qa_f1_score`); 0.0 when either side is empty."""
-    predicted = normalize_answer(prediction).split()
-    expected = normalize_answer(reference).split()
-    common = collections.Counter(predicted) & collections.Counter(expected)
-    overlap = sum(common.values())
-    if overlap == 0:
-        return 0.0
-    precision = overlap / len(predicted)
-    recall = overlap / len(expected)
-    return 2 * precision * recall / (precision + recall)
+    return qa_f1_score(prediction, reference)
 
 
 def rouge_tokens(text: str) -> list[str]:

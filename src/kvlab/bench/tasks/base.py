@@ -68,10 +68,12 @@ class Task(abc.ABC):
         primary_metric: Key of `score()`'s result that tables and plots use as quality.
         data_package: PyPI package whose files hold the data (None: the user provides files).
         default_max_new_tokens: Generation length when the task is not given `max_new_tokens`.
+        scorer: Whose definition of the metrics `score()` follows (recorded with every cell's results).
     """
 
     category: ClassVar[str]
     primary_metric: ClassVar[str]
+    scorer: ClassVar[str]
     data_package: ClassVar[str | None] = None
     default_max_new_tokens: ClassVar[int] = 32
     stop_strings: ClassVar[tuple[str, ...]] = ()

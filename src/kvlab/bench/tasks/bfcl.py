@@ -33,6 +33,7 @@ class BFCLTask(Task):
 
     category: ClassVar[str] = "tool calling"
     primary_metric: ClassVar[str] = "call_exact"
+    scorer: ClassVar[str] = "BFCL AST match of the call (kvlab's parser)"
     data_package: ClassVar[str | None] = "bfcl_eval"
     default_max_new_tokens: ClassVar[int] = 48
     # No stop string: small models often open a code fence or a blank line before the call.

@@ -24,6 +24,7 @@ class HotpotQATask(RulerQATask):
     """
 
     category: ClassVar[str] = "multi-doc QA"
+    scorer: ClassVar[str] = "LongBench qa_f1_score (F1); SQuAD exact match"
     data_filename: ClassVar[str] = "hotpotqa.json"
 
     def rows(self) -> Iterable[Any]:

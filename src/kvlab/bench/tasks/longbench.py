@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from transformers import PreTrainedTokenizerBase
 
-from kvlab.bench.metrics import best_over_references, f1_score, rouge_l
+from kvlab.bench.metrics import longbench_score
 from kvlab.bench.tasks.base import Sample, Task, read_jsonl, require_str, tasks
 from kvlab.errors import ConfigError
 
@@ -51,17 +51,18 @@ _MULTI_NEWS = (
     "You are given several news articles. Write a one-page summary of all news. \n\nNews:\n{context}\n\n"
     "Now, write a one-page summary of all the news.\n\nSummary:"
 )
-# LongBench's dataset2prompt / dataset2maxlen / dataset2metric for the datasets of the benchmark paper.
-DATASETS: dict[str, tuple[str, int, str]] = {
-    "hotpotqa": (_QA_PASSAGES, 32, "f1"),
-    "2wikimqa": (_QA_PASSAGES, 32, "f1"),
-    "musique": (_QA_PASSAGES, 32, "f1"),
-    "qasper": (_QASPER, 128, "f1"),
-    "multifieldqa_en": (_MULTIFIELDQA, 64, "f1"),
-    "narrativeqa": (_NARRATIVEQA, 128, "f1"),
-    "triviaqa": (_TRIVIAQA, 32, "f1"),
-    "gov_report": (_GOV_REPORT, 512, "rouge_l"),
-    "multi_news": (_MULTI_NEWS, 512, "rouge_l"),
+# LongBench's dataset2prompt / dataset2maxlen for the datasets of the benchmark paper (the metric
+# of each is LongBench's own, in `kvlab.bench.longbench_metrics`).
+DATASETS: dict[str, tuple[str, int]] = {
+    "hotpotqa": (_QA_PASSAGES, 32),
+    "2wikimqa": (_QA_PASSAGES, 32),
+    "musique": (_QA_PASSAGES, 32),
+    "qasper": (_QASPER, 128),
+    "multifieldqa_en": (_MULTIFIELDQA, 64),
+    "narrativeqa": (_NARRATIVEQA, 128),
+    "triviaqa": (_TRIVIAQA, 32),
+    "gov_report": (_GOV_REPORT, 512),
+    "multi_news": (_MULTI_NEWS, 512),
 }
 CATEGORIES = {"hotpotqa": "multi-doc QA", "2wikimqa": "multi-doc QA", "musique": "multi-doc QA",
               "qasper": "single-doc QA", "multifieldqa_en": "single-doc QA", "narrativeqa": "single-doc QA",
@@ -75,12 +76,13 @@ class LongBenchTask(Task):
 
     Prompt template, generation length and metric are LongBench's for that dataset (`DATASETS`);
     the context is cut in the middle to `context_tokens`, as LongBench's `pred.py` does. The score is
-    reported under `score`, whatever metric the dataset uses (F1 or ROUGE-L). For few-shot sets
-    (triviaqa) only the first line of the prediction is scored, as in LongBench.
+    LongBench's own (`kvlab.bench.metrics.longbench_score`: its F1, its ROUGE-L, first line only for
+    the few-shot sets), reported under `score` whatever the dataset's metric.
     """
 
     category: ClassVar[str] = "long-context"
     primary_metric: ClassVar[str] = "score"
+    scorer: ClassVar[str] = "LongBench metrics.py, the dataset's metric in eval.py"
 
     path: str = dataclasses.field(default="", metadata={"help": "LongBench JSONL file, e.g. data/hotpotqa.jsonl"})
     dataset: str = dataclasses.field(default="", metadata={"help": "dataset name (default: the file name)"})
@@ -117,13 +119,17 @@ class LongBenchTask(Task):
             raise ValueError("answers must be a non-empty list of strings")
         context = _middle_cut(tokenizer, require_str(row, "context"), self.context_tokens)
         prompt = DATASETS[self.dataset_name][0].format(context=context, input=str(row["input"]))
-        return Sample(id=str(row.get("_id", index)), prompt=prompt, references=tuple(answers))
+        classes = row.get("all_classes") or []
+        return Sample(
+            id=str(row.get("_id", index)),
+            prompt=prompt,
+            references=tuple(answers),
+            extra={"all_classes": [str(name) for name in classes]},
+        )
 
     def score(self, prediction: str, sample: Sample) -> dict[str, float]:
-        if self.dataset_name == "triviaqa":
-            prediction = prediction.lstrip("\n").split("\n")[0]
-        metric = f1_score if DATASETS[self.dataset_name][2] == "f1" else rouge_l
-        return {"score": best_over_references(metric, prediction, sample.references)}
+        classes = sample.extra.get("all_classes", ())
+        return {"score": longbench_score(self.dataset_name, prediction, sample.references, classes)}
 
 
 def _middle_cut(tokenizer: PreTrainedTokenizerBase, text: str, max_tokens: int) -> str:

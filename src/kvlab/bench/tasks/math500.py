@@ -30,6 +30,7 @@ class MATH500Task(Task):
 
     category: ClassVar[str] = "math"
     primary_metric: ClassVar[str] = "answer_correct"
+    scorer: ClassVar[str] = "final-answer match (kvlab's \\boxed{} parser)"
     data_package: ClassVar[str | None] = "mmath"
     default_max_new_tokens: ClassVar[int] = 256
 

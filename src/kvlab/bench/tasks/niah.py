@@ -35,6 +35,7 @@ class NeedleInAHaystackTask(RulerDataTask):
 
     category: ClassVar[str] = "retrieval"
     primary_metric: ClassVar[str] = "string_match"
+    scorer: ClassVar[str] = "RULER string_match_all"
     data_filename: ClassVar[str] = "PaulGrahamEssays.json"
     default_max_new_tokens: ClassVar[int] = 24
 

@@ -28,6 +28,7 @@ class SQuADTask(RulerQATask):
     """
 
     category: ClassVar[str] = "single-doc QA"
+    scorer: ClassVar[str] = "LongBench qa_f1_score (F1); SQuAD exact match"
     data_filename: ClassVar[str] = "squad.json"
 
     def rows(self) -> Iterable[Any]:

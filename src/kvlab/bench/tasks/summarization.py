@@ -25,6 +25,7 @@ class SummarizationTask(Task):
 
     category: ClassVar[str] = "summarization"
     primary_metric: ClassVar[str] = "rouge_l"
+    scorer: ClassVar[str] = "rouge-score ROUGE-L F (default tokenizer, no stemming)"
     data_package: ClassVar[str | None] = PACKAGE
     data_folder: ClassVar[str]
     instruction: ClassVar[str]

@@ -32,6 +32,7 @@ class VariableTrackingTask(RulerTask):
 
     category: ClassVar[str] = "retrieval"
     primary_metric: ClassVar[str] = "string_match"
+    scorer: ClassVar[str] = "RULER string_match_all"
     default_max_new_tokens: ClassVar[int] = 30
 
     num_hops: int = dataclasses.field(default=4, metadata={"help": "assignments after the first"})
