@@ -77,7 +77,7 @@ class RequestOutput:
         prompt_token_ids: Exactly the ids the model was fed.
         token_ids: Generated ids, including a final end-of-sequence token when generation hit one.
         text: Decoded `token_ids` without special tokens, cut before a stop string.
-        stop_reason: "eos", "stop_string" or "length".
+        stop_reason: "eos", "stop_string", "length" or "cancelled".
     """
 
     prompt_token_ids: list[int]
@@ -97,7 +97,7 @@ class GenerationOutput:
 def collect_requests(loaded: LoadedModel, prompts: list[list[int]], rows: BatchRows) -> list[RequestOutput]:
     """The per-request outputs once every row has stopped."""
     return [
-        RequestOutput(prompt, tokens, rows.checker.final_text(loaded.decode(tokens)), rows.reason(request))
+        RequestOutput(prompt, tokens, rows.checkers[request].final_text(loaded.decode(tokens)), rows.reason(request))
         for request, (prompt, tokens) in enumerate(zip(prompts, rows.generated))
     ]
 

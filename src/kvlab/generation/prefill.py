@@ -1,4 +1,7 @@
-"""Prefill: each prompt on its own, optionally restored in part from a prefix store, then stacked."""
+"""Prefill: each prompt on its own, optionally restored in part from a prefix store, then stacked.
+
+`PromptPrefill` is one prompt's prefill cut into steps, for a server that interleaves it with decoding.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
 from kvlab.generation.outputs import GenerationStats
 from kvlab.models import LoadedModel
-from kvlab.store.prefix import PrefixSource
+from kvlab.store.prefix import FetchedPrefix, PrefixSource
 from kvlab.timing import Stopwatch
 
 
@@ -60,44 +63,106 @@ def prefill(
         The batch cache, the draft cache (None without `drafter`), and [B, V] logits of each prompt's
         last position.
     """
-    if prefix is not None:
-        if chunk_tokens not in (None, prefix.chunk_tokens):
-            raise ConfigError(
-                f"prefill chunks of {chunk_tokens} tokens do not match the prefix store's {prefix.chunk_tokens}"
-            )
-        chunk_tokens = prefix.chunk_tokens
     caches, drafts, last_logits = [], [], []
     for prompt in prompts:
-        cache = KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device, compressor)
-        draft = None
-        if drafter is not None:
-            draft = KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device, drafter)
-            drafts.append(draft)
-        start = 0
-        if prefix is not None:
-            start = _restore_prefix(prefix, prompt, [cache, draft], loaded.device, stats, prefix_resolutions)
-        pieces = prefill_pieces(start, len(prompt), chunk_tokens)
-        for index, (begin, end) in enumerate(pieces):
-            last = index == len(pieces) - 1
-            positions = cache.next_positions(end - begin, loaded.device)
-            captured: list[tuple[torch.Tensor, torch.Tensor]] | None = None if prefix is None else []
-            step: ForwardStep
-            if draft is None:
-                step = ForwardStep(cache, positions, compress=compressor is not None and last, captured=captured)
-            else:
-                step = PairedPrefillStep(cache, positions, captured=captured, draft_cache=draft, compress_draft=last)
-            input_ids = torch.tensor([prompt[begin:end]], device=loaded.device)
-            clock = Stopwatch(loaded.device)
-            logits = run_step(loaded.model, step, input_ids, logits_to_keep=1)[:, -1]
-            if draft is not None:
-                draft.advance(end - begin)
-            if prefix is not None and captured is not None:
-                prefix.observe_prefill(end - begin, clock.elapsed())
-                prefix.save(prompt, begin, captured)
-        last_logits.append(logits)
-        caches.append(cache)
+        job = PromptPrefill(
+            loaded, prompt, capacity, compressor, drafter, prefix, stats, prefix_resolutions, chunk_tokens
+        )
+        while not job.done:
+            job.step()
+        assert job.logits is not None
+        last_logits.append(job.logits)
+        caches.append(job.cache)
+        if job.draft is not None:
+            drafts.append(job.draft)
     draft_cache = _stack(drafts, capacity) if drafts else None
     return _stack(caches, capacity), draft_cache, torch.cat(last_logits)
+
+
+class PromptPrefill:
+    """One prompt's prefill, one piece per `step()`, so a server can decode other requests in between.
+
+    The constructor allocates the prompt's cache (and draft cache with `drafter`) and restores its
+    stored prefix; each `step()` then computes the next piece (see `prefill` for how pieces are cut
+    and why). Pieces are the same whether they run back to back or interleaved with other forwards.
+
+    Args:
+        fetched: The prompt's prefix, already fetched from `prefix` (e.g. in the background while other
+            requests decoded); None fetches it now. Chunks computed here are saved to `prefix` either way.
+
+    Attributes:
+        cache: [1 row] the prompt's KV (compressed after the last piece with `compressor`).
+        draft: [1 row] the drafter's compressed copy, or None.
+        logits: [1, V] logits of the prompt's last position, once `done`.
+        reused_tokens: Prompt tokens restored from the store instead of computed.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        prompt: list[int],
+        capacity: int,
+        compressor: Compressor | None = None,
+        drafter: Compressor | None = None,
+        prefix: PrefixSource | None = None,
+        stats: GenerationStats | None = None,
+        prefix_resolutions: tuple[str, ...] | None = None,
+        chunk_tokens: int | None = None,
+        fetched: FetchedPrefix | None = None,
+    ) -> None:
+        if prefix is not None:
+            if chunk_tokens not in (None, prefix.chunk_tokens):
+                raise ConfigError(
+                    f"prefill chunks of {chunk_tokens} tokens do not match the prefix store's {prefix.chunk_tokens}"
+                )
+            chunk_tokens = prefix.chunk_tokens
+        self.loaded = loaded
+        self.prompt = prompt
+        self.compressor = compressor
+        self.prefix = prefix
+        self.cache = KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device, compressor)
+        self.draft: KVCache | None = None
+        if drafter is not None:
+            self.draft = KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device, drafter)
+        self.reused_tokens = 0
+        if prefix is not None:
+            if fetched is None:
+                fetched = prefix.fetch(prompt, prefix_resolutions)
+            self.reused_tokens = _restore_prefix(fetched, [self.cache, self.draft], loaded.device, stats)
+        self.pieces = prefill_pieces(self.reused_tokens, len(prompt), chunk_tokens)
+        self.logits: torch.Tensor | None = None
+
+    @property
+    def done(self) -> bool:
+        return not self.pieces
+
+    @property
+    def next_piece_tokens(self) -> int:
+        """Tokens the next `step()` computes (0 when done)."""
+        return self.pieces[0][1] - self.pieces[0][0] if self.pieces else 0
+
+    def step(self) -> None:
+        """Compute the next piece of the prompt (the last one also yields `logits`)."""
+        begin, end = self.pieces.pop(0)
+        last = not self.pieces
+        cache, draft, loaded = self.cache, self.draft, self.loaded
+        positions = cache.next_positions(end - begin, loaded.device)
+        captured: list[tuple[torch.Tensor, torch.Tensor]] | None = None if self.prefix is None else []
+        step: ForwardStep
+        if draft is None:
+            step = ForwardStep(cache, positions, compress=self.compressor is not None and last, captured=captured)
+        else:
+            step = PairedPrefillStep(cache, positions, captured=captured, draft_cache=draft, compress_draft=last)
+        input_ids = torch.tensor([self.prompt[begin:end]], device=loaded.device)
+        clock = Stopwatch(loaded.device)
+        logits = run_step(loaded.model, step, input_ids, logits_to_keep=1)[:, -1]
+        if draft is not None:
+            draft.advance(end - begin)
+        if self.prefix is not None and captured is not None:
+            self.prefix.observe_prefill(end - begin, clock.elapsed())
+            self.prefix.save(self.prompt, begin, captured)
+        if last:
+            self.logits = logits
 
 
 def prefill_pieces(start: int, end: int, chunk_tokens: int | None) -> list[tuple[int, int]]:
@@ -109,15 +174,9 @@ def prefill_pieces(start: int, end: int, chunk_tokens: int | None) -> list[tuple
 
 
 def _restore_prefix(
-    prefix: PrefixSource,
-    prompt: list[int],
-    caches: list[KVCache | None],
-    device: torch.device,
-    stats: GenerationStats | None,
-    resolutions: tuple[str, ...] | None,
+    fetched: FetchedPrefix, caches: list[KVCache | None], device: torch.device, stats: GenerationStats | None
 ) -> int:
-    """Append a prompt's stored leading chunks to `caches`; returns how many tokens were restored."""
-    fetched = prefix.fetch(prompt, resolutions)
+    """Append a prompt's fetched leading chunks to `caches`; returns how many tokens were restored."""
     for cache in caches:
         if cache is not None:
             fetched.restore_into(cache, device)

@@ -13,7 +13,8 @@ class BatchRows:
     """Generated tokens and stop reasons of a batch whose finished rows leave it.
 
     `active[i]` is the request index of the i-th row still in the batch (the caches hold rows in
-    that order).
+    that order). Requests may join later (`add`, each with its own stop rules) and be forgotten once
+    their output was read (`release`), as a server's continuous batch does.
     """
 
     def __init__(
@@ -21,9 +22,26 @@ class BatchRows:
     ) -> None:
         self.checker = checker
         self.on_tokens = on_tokens
+        self.checkers: list[StopChecker] = [checker] * num_requests
         self.generated: list[list[int]] = [[] for _ in range(num_requests)]
         self.reasons: list[StopReason | None] = [None] * num_requests
         self.active = list(range(num_requests))
+
+    def add(self, checker: StopChecker | None = None) -> int:
+        """A new request stopping by `checker` (default: the batch's); returns its index."""
+        self.checkers.append(checker or self.checker)
+        self.generated.append([])
+        self.reasons.append(None)
+        self.active.append(len(self.generated) - 1)
+        return len(self.generated) - 1
+
+    def release(self, request: int) -> None:
+        """Drop a request's tokens and leave its row out of the batch (its index stays taken)."""
+        self.generated[request] = []
+        self.checkers[request] = self.checker
+        if self.reasons[request] is None:
+            self.reasons[request] = "cancelled"
+        self.active = [index for index in self.active if index != request]
 
     def emit(self, row: int, tokens: list[int]) -> int:
         """Append `tokens` to batch row `row` one by one until it stops; returns how many were kept."""
@@ -31,7 +49,7 @@ class BatchRows:
         kept = len(tokens)
         for count, token in enumerate(tokens, start=1):
             self.generated[request].append(token)
-            self.reasons[request] = self.checker.check(self.generated[request])
+            self.reasons[request] = self.checkers[request].check(self.generated[request])
             if self.reasons[request] is not None:
                 kept = count
                 break
@@ -41,7 +59,8 @@ class BatchRows:
 
     def remaining(self, row: int) -> int:
         """Tokens batch row `row` may still generate before its length limit."""
-        return self.checker.max_new_tokens - len(self.generated[self.active[row]])
+        request = self.active[row]
+        return self.checkers[request].max_new_tokens - len(self.generated[request])
 
     def running_rows(self) -> list[int]:
         """Batch positions of rows that have not stopped."""
@@ -55,6 +74,11 @@ class BatchRows:
         return self.reasons[request] or "length"
 
 
+def stop_checker(loaded: LoadedModel, config: GenerationConfig) -> StopChecker:
+    """Stops on the model's end-of-sequence tokens, on `config`'s stop strings, or at its length limit."""
+    return StopChecker(loaded.eos_token_ids, config.stop_strings, config.max_new_tokens, loaded.decode, config.ignore_eos)
+
+
 def batch_rows(
     loaded: LoadedModel,
     config: GenerationConfig,
@@ -63,7 +87,4 @@ def batch_rows(
 ) -> BatchRows:
     """Rows of `num_requests` requests that stop as `config` says: on the model's end-of-sequence
     tokens, on stop strings, or at the length limit."""
-    checker = StopChecker(
-        loaded.eos_token_ids, config.stop_strings, config.max_new_tokens, loaded.decode, config.ignore_eos
-    )
-    return BatchRows(num_requests, checker, on_tokens)
+    return BatchRows(num_requests, stop_checker(loaded, config), on_tokens)

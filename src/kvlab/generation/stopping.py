@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-StopReason = Literal["eos", "stop_string", "length"]
+# "cancelled": the caller withdrew the request (a server's client went away) before it finished.
+StopReason = Literal["eos", "stop_string", "length", "cancelled"]
 
 
 class StopChecker:

@@ -68,29 +68,36 @@ def generate_lossless(
 
 
 def admit_prefilled(
-    run: LosslessRun, request: int, prompt: list[int], prefilled: tuple[KVCache, KVCache, torch.Tensor] | None = None
+    run: LosslessRun,
+    request: int,
+    prompt: list[int],
+    prefilled: tuple[KVCache, KVCache | None, torch.Tensor] | None = None,
 ) -> None:
     """Prefill `prompt` into a full and a draft cache, emit its first token and add it to `run`.
 
     Args:
         prefilled: The prompt's full cache, draft cache and [1, V] last logits, when already computed
-            (`kvlab.generation.prefill.prefill` with the run's drafter; the caches are consumed).
+            (`kvlab.generation.prefill.prefill` with the request's drafter; the caches are consumed).
+            A draft cache of None admits a sequence that decodes without drafting (plain decoding, or
+            lossy decoding when the first cache is compressed).
     """
-    capacity = run.capacity(prompt)
+    capacity = run.capacity(prompt, request)
     if prefilled is None:
         full, draft, logits = prefill(
             run.loaded,
             [prompt],
             capacity,
-            drafter=run.lossless.drafter,
+            drafter=run.settings[request].drafter,
             prefix=run.prefix,
             stats=run.stats,
             prefix_resolutions=EXACT,
-            chunk_tokens=run.config.prefill_chunk_tokens,
+            chunk_tokens=run.configs[request].prefill_chunk_tokens,
         )
         assert draft is not None
     else:
         full, draft, logits = prefilled
-    first_token = int(select_next_tokens(logits, run.config, run.generator)[0])
-    full = move_to_tier(full, run.loader, capacity)
-    run.admit(new_sequence(run, request, prompt, full, draft, [first_token], 1), [first_token])
+    first_token = int(select_next_tokens(logits, run.configs[request], run.generators[request])[0])
+    if not full.compressed:  # a compressed cache is the small one that stays in fast memory
+        full = move_to_tier(full, run.loader, capacity)
+    draft_missing = 0 if draft is None else 1
+    run.admit(new_sequence(run, request, prompt, full, draft, [first_token], draft_missing), [first_token])

@@ -43,8 +43,8 @@ def admit_remote(run: LosslessRun, request: int, prompt: list[int], prefix: Pref
     transfer.shutdown(wait=False)
 
     loaded = run.loaded
-    capacity = run.capacity(prompt)
-    draft = KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device, settings.drafter)
+    capacity = run.capacity(prompt, request)
+    draft = KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device, run.settings[request].drafter)
     low.restore_into(draft, loaded.device)
     rest = torch.tensor([prompt[low.end :]], device=loaded.device)
     # The draft cache may skip chunks (stored compacted): the rest of the prompt is masked causally by

@@ -10,6 +10,7 @@ import torch
 
 from kvlab.cache import KVCache
 from kvlab.lossless.draft_length import DraftLengthController
+from kvlab.lossless.stats import LosslessStats
 from kvlab.store.prefix import FetchedPrefix
 
 
@@ -25,7 +26,9 @@ class Sequence:
         request: Index of the request in the run.
         prompt: The prompt's token ids.
         full: The verifier's exact KV (one row); None while a remote prefix's exact KV is in transit.
-        draft: The drafter's compressed KV (one row).
+        draft: The drafter's compressed KV (one row); None for a sequence that decodes without drafting
+            (plain or lossy decoding in the same run: a round is then one forward on `full`, which is
+            the compressed cache in lossy decoding).
         controller: Chooses this sequence's draft lengths.
         pending: Tokens known to be right that the full cache does not hold yet (the last emitted
             token; the rest of the prompt in a remote-prefix start).
@@ -38,12 +41,13 @@ class Sequence:
         draft_logits: [V] logits that predict the next draft token, when already computed.
         exact_prefix: The bit-exact prefix still in transit (remote-prefix start only).
         land_prefix: Builds `full` from the landed exact prefix before the first verify (remote start).
+        stats: This sequence's own rounds (the run's `lossless_stats` adds up every sequence's).
     """
 
     request: int
     prompt: list[int]
     full: KVCache | None
-    draft: KVCache
+    draft: KVCache | None
     controller: DraftLengthController
     pending: list[int]
     draft_missing: int
@@ -54,6 +58,7 @@ class Sequence:
     draft_logits: torch.Tensor | None = None
     exact_prefix: Future[FetchedPrefix] | None = None
     land_prefix: Callable[[], None] | None = None
+    stats: LosslessStats = dataclasses.field(default_factory=LosslessStats)
 
     @property
     def ready_to_verify(self) -> bool:
