@@ -64,14 +64,16 @@ def embedded_model() -> LoadedModel:
 
 
 class plain_attention:
-    """Run a kvlab-prepared model through transformers' own SDPA attention (the reference path)."""
+    """Run a kvlab-prepared model through transformers' own attention (the reference path): SDPA, or
+    the eager path for models that soft-cap attention logits, which SDPA cannot."""
 
     def __init__(self, loaded: LoadedModel) -> None:
         self.config = loaded.model.config
+        self.implementation = "eager" if getattr(self.config, "attn_logit_softcapping", None) else "sdpa"
 
     def __enter__(self) -> None:
         self.previous = self.config._attn_implementation
-        self.config._attn_implementation = "sdpa"
+        self.config._attn_implementation = self.implementation
 
     def __exit__(self, *exc: object) -> None:
         self.config._attn_implementation = self.previous

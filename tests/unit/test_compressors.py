@@ -128,6 +128,18 @@ def test_cam_matches_the_reference_and_keeps_keys() -> None:
     assert not torch.equal(result.values[0], values[0, result.kept_indices[0]]), "merging changed nothing"  # type: ignore[attr-defined]
 
 
+def test_cam_merges_alike_whether_it_visits_evicted_positions_or_every_position(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlab.compress import cam
+
+    generator = torch.Generator().manual_seed(3)
+    values = torch.randn(3, 40, 8, generator=generator)
+    kept_mask = torch.rand(3, 40, generator=generator) > 0.6
+    weights = torch.rand(3, 40, generator=generator)
+    visiting_evicted = cam.merge_forward(values, kept_mask, weights, span=4)
+    monkeypatch.setattr(cam, "_merge_positions", lambda mask: range(mask.shape[1]))
+    assert torch.equal(cam.merge_forward(values, kept_mask, weights, span=4), visiting_evicted)
+
+
 def test_cam_bernoulli_draws_are_seeded() -> None:
     queries, keys, values = _random_kv(seed=5)
     context = CompressionContext(queries, SCALING, 0)

@@ -24,6 +24,7 @@ def attend(
     scaling: float,
     key_positions: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of `q` new queries per row over stored keys.
 
@@ -37,6 +38,7 @@ def attend(
         key_positions: [B, T] int64 true positions of the stored keys, or None when position == index.
         sliding_window: Keys at least this many positions behind a query are invisible; pass None when
             no query is that far along (the caller knows the positions without a device sync).
+        softcap: Attention-logit soft-cap (Gemma 2), or None; soft-capped attention takes the explicit path.
 
     Returns:
         [B, H, q, D] attention output in the queries' dtype.
@@ -44,6 +46,12 @@ def attend(
     num_queries, num_keys = queries.shape[2], keys.shape[2]
     gqa = queries.shape[1] != keys.shape[1]
     uniform = key_positions is None and all(length == num_keys for length in key_lengths)
+    if softcap is not None:
+        everything_visible = uniform and sliding_window is None and num_queries == 1
+        mask = None if everything_visible else visibility_mask(
+            query_positions, key_lengths, num_keys, key_positions, sliding_window
+        )
+        return softcapped_attention(queries, keys, values, mask, scaling, softcap)
     if uniform and sliding_window is None:
         if num_queries == 1:
             return F.scaled_dot_product_attention(queries, keys, values, scale=scaling, enable_gqa=gqa)
@@ -53,6 +61,39 @@ def attend(
             return _padded_causal(queries, keys, values, scaling, gqa)
     mask = visibility_mask(query_positions, key_lengths, num_keys, key_positions, sliding_window)
     return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+
+
+def softcapped_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention whose scores are soft-capped, `softcap * tanh(q k^T * scaling / softcap)` (Gemma 2).
+
+    No SDPA kernel soft-caps, so this is written out in the order of transformers' eager attention
+    (scale, cap, mask, float32 softmax cast back, weights times values): on the same inputs the
+    outputs are bit-identical to the model's own forward.
+
+    Args:
+        queries: [B, H, q, D]; keys, values: [B, H_kv, T, D] (H a multiple of H_kv).
+        mask: Boolean [B, 1, q, T], True where visible, or None when every key is visible.
+
+    Returns:
+        [B, H, q, D] in the queries' dtype.
+    """
+    group = queries.shape[1] // keys.shape[1]
+    if group > 1:
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(queries, keys.transpose(2, 3)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype)
+    return torch.matmul(weights, values)
 
 
 def visibility_mask(

@@ -38,10 +38,15 @@ class KVLayer(abc.ABC):
         """
 
     @abc.abstractmethod
-    def attend(self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Attention of `queries` [B, H, q, D] at `query_positions` [B, q] over the stored tokens."""
+    def attend(
+        self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None
+    ) -> torch.Tensor:
+        """Attention of `queries` [B, H, q, D] at `query_positions` [B, q] over the stored tokens
+        (`softcap`: the model's attention-logit soft-cap, e.g. Gemma 2's, or None)."""
 
-    def attend_newest(self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float) -> torch.Tensor:
+    def attend_newest(
+        self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None
+    ) -> torch.Tensor:
         """`attend` for a layer holding one row whose newest stored tokens are the queries' own (the
         packed per-sequence forwards of lossless decoding); layers with a faster kernel override it.
 
@@ -49,8 +54,9 @@ class KVLayer(abc.ABC):
             queries: [1, H, q, D], rotary applied.
             query_positions: [1, q] int64 true positions.
             scaling: Softmax scale.
+            softcap: Attention-logit soft-cap, or None.
         """
-        return self.attend(queries, query_positions, scaling)
+        return self.attend(queries, query_positions, scaling, softcap)
 
     @abc.abstractmethod
     def drop_last(self, counts: list[int]) -> None:
@@ -134,7 +140,9 @@ class FullKVLayer(KVLayer):
             self.values[row, :, start : start + count] = new_values[row, :, :count]
         self.lengths = [length + count for length, count in zip(self.lengths, counts)]
 
-    def attend(self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float) -> torch.Tensor:
+    def attend(
+        self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None
+    ) -> torch.Tensor:
         num_keys = max(self.lengths)
         window = self.sliding_window
         if window is not None and num_keys <= window:
@@ -148,13 +156,17 @@ class FullKVLayer(KVLayer):
             self.lengths,
             scaling,
             sliding_window=window,
+            softcap=softcap,
         )
         return output.to(queries.dtype)
 
-    def attend_newest(self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float) -> torch.Tensor:
+    def attend_newest(
+        self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None
+    ) -> torch.Tensor:
         num_keys = self.lengths[0]
-        if len(self.lengths) != 1 or (self.sliding_window is not None and num_keys > self.sliding_window):
-            return self.attend(queries, query_positions, scaling)
+        windowed = self.sliding_window is not None and num_keys > self.sliding_window
+        if len(self.lengths) != 1 or windowed or softcap is not None:
+            return self.attend(queries, query_positions, scaling, softcap)
         keys, values = self.keys[:, :, :num_keys], self.values[:, :, :num_keys]
         return attend_newest(queries.to(keys.dtype), keys, values, scaling).to(queries.dtype)
 

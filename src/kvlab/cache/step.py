@@ -32,14 +32,20 @@ class ForwardStep:
     mask_positions: torch.Tensor | None = None
 
     def attend(
-        self, layer_idx: int, queries: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor, scaling: float
+        self,
+        layer_idx: int,
+        queries: torch.Tensor,
+        new_keys: torch.Tensor,
+        new_values: torch.Tensor,
+        scaling: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if self.captured is not None:
             self.captured.append((new_keys, new_values))
         layer = self.cache.layers[layer_idx]
         layer.append(new_keys, new_values)
         positions = self.query_positions if self.mask_positions is None else self.mask_positions
-        output = layer.attend(queries, positions, scaling)
+        output = layer.attend(queries, positions, scaling, softcap)
         if self.compress:
             layer.compress_prompt(queries, scaling, layer_idx)
         return output
@@ -55,9 +61,15 @@ class PairedPrefillStep(ForwardStep):
     compress_draft: bool = True
 
     def attend(
-        self, layer_idx: int, queries: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor, scaling: float
+        self,
+        layer_idx: int,
+        queries: torch.Tensor,
+        new_keys: torch.Tensor,
+        new_values: torch.Tensor,
+        scaling: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        output = ForwardStep.attend(self, layer_idx, queries, new_keys, new_values, scaling)
+        output = ForwardStep.attend(self, layer_idx, queries, new_keys, new_values, scaling, softcap)
         assert self.draft_cache is not None
         draft_layer = self.draft_cache.layers[layer_idx]
         draft_layer.append(new_keys, new_values)
@@ -132,7 +144,13 @@ class PackedStep:
     positions: list[torch.Tensor]  # per segment, [1, q] int64 true positions
 
     def attend(
-        self, layer_idx: int, queries: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor, scaling: float
+        self,
+        layer_idx: int,
+        queries: torch.Tensor,
+        new_keys: torch.Tensor,
+        new_values: torch.Tensor,
+        scaling: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         outputs, start = [], 0
         for segment, positions in zip(self.segments, self.positions):
@@ -143,7 +161,7 @@ class PackedStep:
             layer = segment.cache.layers[layer_idx]
             layer.append(keys, values)
             segment_queries = queries[:, :, start:end]
-            outputs.append(layer.attend_newest(segment_queries, positions, scaling))
+            outputs.append(layer.attend_newest(segment_queries, positions, scaling, softcap))
             if segment.compress:
                 layer.compress_prompt(segment_queries, scaling, layer_idx)
             start = end

@@ -267,13 +267,17 @@ class TieredKVLayer(FullKVLayer):
             count = self.lengths[row] - starts[row]
             self.storage.write(self.slots[row], starts[row], new_keys[row, :, :count], new_values[row, :, :count])
 
-    def attend(self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float) -> torch.Tensor:
+    def attend(
+        self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None
+    ) -> torch.Tensor:
         self._await(list(range(len(self.lengths))), consume=True)
-        return super().attend(queries, query_positions, scaling)
+        return super().attend(queries, query_positions, scaling, softcap)
 
-    def attend_newest(self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float) -> torch.Tensor:
+    def attend_newest(
+        self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None
+    ) -> torch.Tensor:
         self._await([0], consume=True)
-        return FullKVLayer.attend_newest(self, queries, query_positions, scaling)
+        return FullKVLayer.attend_newest(self, queries, query_positions, scaling, softcap)
 
     def select_rows(self, rows: list[int]) -> None:
         super().select_rows(rows)

@@ -68,8 +68,11 @@ class CaMCompressor(MergingCompressor):
         if self.sampling == "expected":
             weights = probabilities
         else:
-            generator = torch.Generator(device=values.device).manual_seed(self.seed * 100_003 + context.layer_idx)
-            weights = torch.bernoulli(probabilities, generator=generator)
+            # Uniforms drawn on the host and copied over (no device read, and any device, meta included,
+            # gets the same draws for the same seed).
+            generator = torch.Generator().manual_seed(self.seed * 100_003 + context.layer_idx)
+            uniforms = torch.rand(probabilities.shape, generator=generator, dtype=torch.float32)
+            weights = (uniforms.to(probabilities.device) < probabilities).to(probabilities.dtype)
         return merge_forward(values, kept_mask, weights, self.merge_span)
 
 
@@ -87,8 +90,17 @@ def merge_forward(values: torch.Tensor, kept_mask: torch.Tensor, weights: torch.
     """
     merged = values.float().clone()
     num_tokens = values.shape[1]
-    evicted_positions = (~kept_mask).any(dim=0).nonzero().flatten().tolist()
-    for position in evicted_positions:
-        share = (merged[:, position] * (weights[:, position] * ~kept_mask[:, position])[:, None]) / span
+    leaving = weights * ~kept_mask
+    for position in _merge_positions(kept_mask):
+        share = merged[:, position] * leaving[:, position, None] / span
         merged[:, position + 1 : min(num_tokens, position + 1 + span)] += share[:, None]
     return merged.to(values.dtype)
+
+
+def _merge_positions(kept_mask: torch.Tensor) -> range | list[int]:
+    """Positions to fold, in order. Each fold reads values earlier folds changed, so the loop is
+    sequential. On the CPU only positions some head evicts are visited; elsewhere listing them would be
+    a device-to-host read, so every position is visited (a kept one folds a zero share: same result)."""
+    if kept_mask.device.type == "cpu":
+        return (~kept_mask).any(dim=0).nonzero().flatten().tolist()
+    return range(kept_mask.shape[1])

@@ -74,12 +74,6 @@ def _check_supported(config: Any) -> None:
     model_type = getattr(config, "model_type", "?")
     if getattr(config, "is_encoder_decoder", False):
         raise ConfigError(f"model type {model_type!r} is an encoder-decoder model; kvlab serves decoder-only models")
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap is not None:
-        raise ConfigError(
-            f"model type {model_type!r} soft-caps attention logits (attn_logit_softcapping={softcap}), which kvlab's "
-            "attention does not implement"
-        )
     unknown_layers = sorted(set(getattr(config, "layer_types", None) or ()) - _ATTENTION_LAYER_TYPES)
     if unknown_layers:
         raise ConfigError(

@@ -16,7 +16,6 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvlab.errors import ConfigError
 
 ATTENTION_IMPLEMENTATION = "kvlab"
 
@@ -25,7 +24,13 @@ class AttentionStep(Protocol):
     """What a forward step must provide to own attention (implemented by `kvlab.cache.ForwardStep`)."""
 
     def attend(
-        self, layer_idx: int, queries: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor, scaling: float
+        self,
+        layer_idx: int,
+        queries: torch.Tensor,
+        new_keys: torch.Tensor,
+        new_values: torch.Tensor,
+        scaling: float,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -40,15 +45,21 @@ def _kvlab_attention(
     kvlab_step: AttentionStep | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    if kvlab_step is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if kwargs.get("softcap") is not None:
-        raise ConfigError("kvlab attention does not implement logit soft-capping (Gemma 2 style models)")
+    softcap = kwargs.get("softcap")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if kvlab_step is None:
+        if softcap is not None:
+            # SDPA has no soft-cap; transformers' own calls of a soft-capping model take the explicit path
+            # (imported here: the attention math lives in the cache layer, which imports models).
+            from kvlab.cache.attention import softcapped_attention
+
+            mask = attention_mask if attention_mask is None or attention_mask.dtype == torch.bool else attention_mask == 0
+            return softcapped_attention(query, key, value, mask, scaling, softcap).transpose(1, 2), None
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     # [B, H, q, D] -> [B, q, H, D], the layout transformers expects back from an attention function.
     layer_idx: Any = module.layer_idx
-    output = kvlab_step.attend(layer_idx, query, key, value, scaling)
+    output = kvlab_step.attend(layer_idx, query, key, value, scaling, softcap)
     return output.transpose(1, 2), None
 
 

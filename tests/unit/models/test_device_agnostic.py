@@ -36,8 +36,6 @@ HOST_STORAGE: dict[str, str] = {
 
 HOST_READS_ON_META: dict[str, str] = {
     "kivi": "quant/groupwise.py quantize() checks finiteness with bool(torch.isfinite(x).all()), a host read",
-    "cam": "compress/cam.py makes a torch.Generator on the KV's device (none exists for meta) and reads evicted "
-    "positions with .nonzero().tolist(), a host read",
 }
 """Methods that still read device data on the host, with where; each is a strict expected failure."""
 

@@ -7,12 +7,14 @@ restored from a store gives the logits of recomputation; every codec round-trips
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from kvlab.cache import KVCache, forward
 from kvlab.codec import create_codec
 from kvlab.compress import Compressor, compressors, create_compressor
 from kvlab.errors import ConfigError
@@ -21,8 +23,8 @@ from kvlab.generation.prefill import prefill
 from kvlab.lossless import LosslessConfig, LosslessOutput, generate_lossless
 from kvlab.models import LoadedModel
 from kvlab.store.prefix import PrefixCache, PrefixConfig
-from tests.conftest import assert_identity_compression_is_bit_identical, transformers_greedy
-from tests.families import FAMILIES, NOT_IN_MATRIX, Family, family_params
+from tests.conftest import assert_identity_compression_is_bit_identical, plain_attention, transformers_greedy
+from tests.families import FAMILIES, NOT_IN_MATRIX, Family, family_named, family_params
 from tests.unit.codec.matrix import CODEC_MATRIX
 from tests.unit.test_compressors import IDENTITY, METHOD_MATRIX
 
@@ -56,6 +58,15 @@ def test_family_names_are_unique() -> None:
 def test_an_unsupported_family_is_refused_naming_what_is_missing(family: Family) -> None:
     with pytest.raises(ConfigError, match=family.refusal):
         family.build()
+
+
+def test_a_layer_kind_the_cache_cannot_compute_is_refused_naming_it() -> None:
+    chunked = Family(
+        "llama-chunked", "llama", "an attention kind kvlab lacks",
+        {"layer_types": ["chunked_attention", "full_attention"] * 2},
+    )
+    with pytest.raises(ConfigError, match=r"chunked_attention layers; kvlab's cache implements only"):
+        chunked.build()
 
 
 @pytest.mark.parametrize("family", family_params())
@@ -123,3 +134,17 @@ def test_codecs_round_trip_the_familys_kv(family: Family, codec: str) -> None:
         built = create_codec(codec, **params)
         decoded = built.decode(built.encode(tensor))
         assert torch.equal(decoded, built.reconstruct(tensor)), f"{family.name} {codec}: {kind} differ"
+
+
+def test_soft_capped_attention_gives_the_eager_logits_bit_for_bit_and_the_cap_matters() -> None:
+    loaded = family_named("gemma2").build()
+    ids = torch.arange(5, 45, device=loaded.device)[None]
+    with plain_attention(loaded), torch.inference_mode():
+        expected = loaded.model(ids).logits
+    cache = KVCache.allocate(loaded.architecture, 1, 64, loaded.dtype, loaded.device)
+    assert torch.equal(forward(loaded.model, cache, ids), expected)
+    uncapped = dataclasses.replace(family_named("gemma2"), overrides={
+        **family_named("gemma2").overrides, "attn_logit_softcapping": None
+    }).build()
+    with plain_attention(uncapped), torch.inference_mode():
+        assert not torch.equal(uncapped.model(ids).logits, expected)
