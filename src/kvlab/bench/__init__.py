@@ -7,7 +7,7 @@ speculative decoding; `run_benchmark` runs the resumable matrix and `render_repo
 """
 
 from kvlab.bench.config import BenchConfig
-from kvlab.bench.methods import CATALOG, MethodSpec, parse_method, run_method
+from kvlab.bench.methods import CATALOG, BenchMethod, parse_method, run_method
 from kvlab.bench.presets import PRESETS, preset_config
 from kvlab.bench.runner import BenchCallbacks, run_benchmark
 from kvlab.bench.tasks import Sample, Task, TaskData, tasks
@@ -17,7 +17,7 @@ __all__ = [
     "PRESETS",
     "BenchCallbacks",
     "BenchConfig",
-    "MethodSpec",
+    "BenchMethod",
     "Sample",
     "Task",
     "TaskData",

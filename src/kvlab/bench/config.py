@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kvlab.bench.methods import FULL_LABEL, MethodSpec, full_kv
+from kvlab.bench.methods import FULL_LABEL, BenchMethod, expand_ratios, full_kv
 from kvlab.bench.tasks import tasks
 from kvlab.errors import ConfigError
 from kvlab.models import DEFAULT_MODEL, DTYPES
@@ -29,10 +29,13 @@ class BenchConfig:
         warmup: Run each method once on a short prompt before measuring it.
         threads: Torch CPU threads during the run (None: torch's default). On a shared machine one
             thread gives steadier timings than threads that wait for each other.
+        ratios: Run every lossy eviction/merging row at each of these `compression_ratio`s (fractions
+            of prompt tokens removed) instead of its own; empty keeps the rows as given.
+        preset: Name of the preset the matrix came from ("custom" when built by hand); shown in reports.
     """
 
     tasks: tuple[dict[str, Any], ...]
-    methods: tuple[MethodSpec, ...]
+    methods: tuple[BenchMethod, ...]
     samples: int = 8
     out: str = "bench-results"
     models: tuple[str, ...] = (DEFAULT_MODEL,)
@@ -41,6 +44,8 @@ class BenchConfig:
     repeats: int = 1
     warmup: bool = True
     threads: int | None = None
+    ratios: tuple[float, ...] = ()
+    preset: str = "custom"
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
@@ -60,6 +65,8 @@ class BenchConfig:
             raise ConfigError(f"each task may appear once, got {names}")
         for spec in self.tasks:
             tasks.from_dict(spec)
+        object.__setattr__(self, "ratios", tuple(self.ratios))
+        object.__setattr__(self, "methods", expand_ratios(tuple(self.methods), self.ratios))
         labels = [method.label for method in self.methods]
         if len(set(labels)) != len(labels):
             raise ConfigError(f"method labels must be unique, got {labels}")

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal
 
-from kvlab.compress import Compressor, compressors
+from kvlab.compress import Compressor, EvictionCompressor, compressors
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, GenerationOutput, generate
 from kvlab.generation.outputs import ProgressCallback
@@ -24,7 +24,7 @@ FULL_LABEL = "full"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class MethodSpec:
+class BenchMethod:
     """One row of the benchmark matrix.
 
     Attributes:
@@ -65,25 +65,25 @@ class MethodSpec:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, spec: dict[str, Any]) -> MethodSpec:
-        unknown = sorted(set(spec) - {f.name for f in dataclasses.fields(cls)})
+    def from_dict(cls, record: dict[str, Any]) -> BenchMethod:
+        unknown = sorted(set(record) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise ConfigError(f"method spec has unknown key {unknown[0]!r}")
-        return cls(**spec)
+            raise ConfigError(f"benchmark method has unknown key {unknown[0]!r}")
+        return cls(**record)
 
 
-def full_kv() -> MethodSpec:
-    return MethodSpec(FULL_LABEL, "full")
+def full_kv() -> BenchMethod:
+    return BenchMethod(FULL_LABEL, "full")
 
 
-def lossy(label: str, name: str, **params: Any) -> MethodSpec:
-    return MethodSpec(label, "lossy", {"name": name, **params})
+def lossy(label: str, name: str, **params: Any) -> BenchMethod:
+    return BenchMethod(label, "lossy", {"name": name, **params})
 
 
 # Rows with a short name, usable as `--methods kivi-2 snapkv-50`; the benchmark paper's settings.
-CATALOG: dict[str, MethodSpec] = {
-    spec.label: spec
-    for spec in (
+CATALOG: dict[str, BenchMethod] = {
+    method.label: method
+    for method in (
         full_kv(),
         lossy("kivi-2", "kivi", bits=2),
         lossy("kivi-4", "kivi", bits=4),
@@ -95,13 +95,13 @@ CATALOG: dict[str, MethodSpec] = {
         lossy("cam-75", "cam", compression_ratio=0.75),
         lossy("streamingllm-75", "streamingllm", compression_ratio=0.75),
         lossy("h2o-75", "h2o", compression_ratio=0.75),
-        MethodSpec("lossless-kivi-2", "lossless", {"name": "kivi", "bits": 2}),
-        MethodSpec("lossless-snapkv-75", "lossless", {"name": "snapkv", "compression_ratio": 0.75}),
+        BenchMethod("lossless-kivi-2", "lossless", {"name": "kivi", "bits": 2}),
+        BenchMethod("lossless-snapkv-75", "lossless", {"name": "snapkv", "compression_ratio": 0.75}),
     )
 }
 
 
-def parse_method(text: str) -> MethodSpec:
+def parse_method(text: str) -> BenchMethod:
     """A catalog label ("kivi-2"), or `COMPRESSOR:key=value,...` for any compressor setting.
 
     `lossless:COMPRESSOR:key=value,...[,num_draft_tokens=N]` names a lossless method (adaptive draft
@@ -125,15 +125,50 @@ def parse_method(text: str) -> MethodSpec:
     except ValueError:
         raise ConfigError(f"num_draft_tokens must be an integer in {text!r}") from None
     label = text.replace(":", "-").replace(",", "-").replace("=", "")
-    return MethodSpec(label, kind, compressor.to_dict(), num_draft_tokens)
+    return BenchMethod(label, kind, compressor.to_dict(), num_draft_tokens)
 
 
-Engine = Callable[[LoadedModel, MethodSpec, list[list[int]], GenerationConfig, ProgressCallback | None], GenerationOutput]
+def ratio_label(name: str, ratio: float) -> str:
+    """A row label for an eviction/merging compressor at `ratio` ("snapkv", 0.875 -> "snapkv-87.5")."""
+    return f"{name}-{100 * ratio:g}"
+
+
+def uses_compression_ratio(method: BenchMethod) -> bool:
+    """A lossy eviction or merging row, whose `compression_ratio` a ratio sweep varies."""
+    compressor = method.build_compressor()
+    return method.kind == "lossy" and isinstance(compressor, EvictionCompressor)
+
+
+def expand_ratios(methods: tuple[BenchMethod, ...], ratios: tuple[float, ...]) -> tuple[BenchMethod, ...]:
+    """Every lossy eviction/merging row once per ratio (`compression_ratio`, kvpress's meaning); other rows as given.
+
+    Rows of one compressor are collapsed before expanding ("snapkv-50" and "snapkv-75" give the
+    sweep once), so a preset's two-budget rows turn into a curve. Order: first occurrence.
+    """
+    for ratio in ratios:
+        if not 0 < ratio < 1:
+            raise ConfigError(f"ratios are fractions of prompt tokens removed, in (0, 1); got {ratio}")
+    if not ratios:
+        return methods
+    expanded: dict[str, BenchMethod] = {}
+    for method in methods:
+        if not uses_compression_ratio(method):
+            expanded.setdefault(method.label, method)
+            continue
+        assert method.compressor is not None
+        base = {key: value for key, value in method.compressor.items() if key not in ("compression_ratio", "budget")}
+        for ratio in ratios:
+            label = ratio_label(base["name"], ratio)
+            expanded.setdefault(label, BenchMethod(label, "lossy", {**base, "compression_ratio": ratio}))
+    return tuple(expanded.values())
+
+
+Engine = Callable[[LoadedModel, BenchMethod, list[list[int]], GenerationConfig, ProgressCallback | None], GenerationOutput]
 
 
 def _run_plain(
     loaded: LoadedModel,
-    method: MethodSpec,
+    method: BenchMethod,
     prompts: list[list[int]],
     config: GenerationConfig,
     on_progress: ProgressCallback | None,
@@ -143,16 +178,16 @@ def _run_plain(
 
 def _run_lossless(
     loaded: LoadedModel,
-    method: MethodSpec,
+    method: BenchMethod,
     prompts: list[list[int]],
     config: GenerationConfig,
     on_progress: ProgressCallback | None,
 ) -> GenerationOutput:
     """Lossless speculative decoding (VeriCache): draft from the compressed cache, verify with the full one."""
     drafter = method.build_compressor()
-    assert drafter is not None  # MethodSpec guarantees a compressor for lossless methods
-    spec = LosslessConfig(drafter=drafter, num_draft_tokens=method.num_draft_tokens or "auto")
-    return generate_lossless(loaded, prompts, config, spec, on_progress=on_progress)
+    assert drafter is not None  # BenchMethod guarantees a compressor for lossless methods
+    lossless_config = LosslessConfig(drafter=drafter, num_draft_tokens=method.num_draft_tokens or "auto")
+    return generate_lossless(loaded, prompts, config, lossless_config, on_progress=on_progress)
 
 
 # One engine per method kind: the extension point for new kinds of rows.
@@ -161,7 +196,7 @@ ENGINES: dict[str, Engine] = {"full": _run_plain, "lossy": _run_plain, "lossless
 
 def run_method(
     loaded: LoadedModel,
-    method: MethodSpec,
+    method: BenchMethod,
     prompts: list[list[int]],
     config: GenerationConfig,
     on_progress: ProgressCallback | None = None,

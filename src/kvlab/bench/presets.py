@@ -1,4 +1,5 @@
-"""Named benchmark matrices: `smoke` (CI-sized) and `paper` (the benchmark paper's matrix)."""
+"""Named benchmark matrices: `smoke` (CI-sized, the default), `paper` (the benchmark paper's matrix),
+`curves` (quality against the compression ratio) and `multiturn` (one compressed context, many questions)."""
 
 from __future__ import annotations
 
@@ -6,18 +7,24 @@ import dataclasses
 from typing import Any
 
 from kvlab.bench.config import BenchConfig
-from kvlab.bench.methods import MethodSpec, parse_method
+from kvlab.bench.methods import BenchMethod, parse_method
 from kvlab.errors import ConfigError
+from kvlab.models import DEFAULT_MODEL
+
+# The second real model (installed by `make setup`), run beside the embedded one by the research presets.
+SECOND_MODEL = "gemma3-270m"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Preset:
-    """Tasks, methods and a default sample count; `BenchConfig` fields not named keep their defaults."""
+    """Tasks, methods, models and a default sample count; `BenchConfig` fields not named keep their defaults."""
 
     description: str
     tasks: tuple[dict[str, Any], ...]
     methods: tuple[str, ...]
     samples: int
+    models: tuple[str, ...] = (DEFAULT_MODEL,)
+    ratios: tuple[float, ...] = ()
 
 
 SMOKE = Preset(
@@ -65,9 +72,41 @@ PAPER = Preset(
     ),
     methods=PAPER_METHODS + PAPER_LOSSLESS_METHODS,
     samples=5,
+    models=(DEFAULT_MODEL, SECOND_MODEL),
 )
 
-PRESETS: dict[str, Preset] = {"smoke": SMOKE, "paper": PAPER}
+# kvpress's leaderboard ratios; quantizers run at their bit widths and land on the same axis by their
+# measured KV bytes ratio; lossless rows stay at full quality.
+CURVE_RATIOS = (0.25, 0.5, 0.75, 0.875)
+
+CURVES = Preset(
+    description="RULER retrieval, variable tracking and QA at 2K tokens: SnapKV, StreamingLLM and CaM at "
+    "compression ratios 0.25/0.5/0.75/0.875, KIVI-2/4, TurboQuant-3/4, lossless KIVI-2 drafting",
+    tasks=(
+        {"name": "niah", "context_tokens": 2048, "max_new_tokens": 24},
+        {"name": "variable_tracking", "context_tokens": 2048, "max_new_tokens": 16},
+        {"name": "squad", "context_tokens": 2048, "max_new_tokens": 24},
+    ),
+    methods=(
+        "full",
+        "snapkv-50",
+        "streamingllm-75",
+        "cam-50",
+        "kivi-2",
+        "kivi-4",
+        "turboquant-3",
+        "turboquant-4",
+        "lossless-kivi-2",
+    ),
+    samples=3,
+    models=(DEFAULT_MODEL, SECOND_MODEL),
+    ratios=CURVE_RATIOS,
+)
+
+# `kvlab bench` without --preset runs this one (and says so in its output and report).
+DEFAULT_PRESET = "smoke"
+
+PRESETS: dict[str, Preset] = {"smoke": SMOKE, "paper": PAPER, "curves": CURVES}
 
 
 def preset(name: str) -> Preset:
@@ -77,10 +116,12 @@ def preset(name: str) -> Preset:
         raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
 
 
-def preset_config(name: str, methods: tuple[MethodSpec, ...] | None = None, **fields: Any) -> BenchConfig:
-    """The preset's `BenchConfig`, with any field (samples, out, methods, ...) overridden."""
+def preset_config(name: str, methods: tuple[BenchMethod, ...] | None = None, **fields: Any) -> BenchConfig:
+    """The preset's `BenchConfig`, with any field (samples, out, methods, models, ratios, ...) overridden."""
     chosen = preset(name)
     default_methods = tuple(parse_method(label) for label in chosen.methods)
     fields.setdefault("tasks", chosen.tasks)
     fields.setdefault("samples", chosen.samples)
-    return BenchConfig(methods=methods or default_methods, **fields)
+    fields.setdefault("models", chosen.models)
+    fields.setdefault("ratios", chosen.ratios)
+    return BenchConfig(methods=methods or default_methods, preset=name, **fields)

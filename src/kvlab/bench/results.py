@@ -22,6 +22,12 @@ from kvlab.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
+# Field names that results written by earlier kvlab versions use, and their names today. Applied
+# when reading, so old result folders still resume and render.
+LEGACY_FIELDS = {
+    "spec": "lossless",  # a prediction's lossless acceptance figures ("spec" names no benchmark row now)
+}
+
 CELL_FILE = "cell.json"
 PREDICTIONS_FILE = "predictions.jsonl"
 METRICS_FILE = "metrics.json"
@@ -82,8 +88,19 @@ def read_predictions(path: Path) -> list[dict[str, Any]]:
             logger.warning("%s: dropped an incomplete prediction line", path)
             continue
         if isinstance(record, dict) and "id" in record:
-            records.append(record)
+            records.append(upgrade_fields(record))
     return records
+
+
+def upgrade_fields(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with legacy field names (`LEGACY_FIELDS`) renamed, at any depth; the input is not changed."""
+    upgraded: dict[str, Any] = {}
+    for key, value in record.items():
+        name = LEGACY_FIELDS.get(key, key)
+        if name != key:
+            logger.debug("renamed the legacy result field %r to %r", key, name)
+        upgraded[name] = upgrade_fields(value) if isinstance(value, dict) else value
+    return upgraded
 
 
 def rewrite_predictions(path: Path, records: list[dict[str, Any]]) -> None:
@@ -107,8 +124,11 @@ def claim_cell(directory: Path, fingerprint: dict[str, Any]) -> None:
     """Record what the cell measures, refusing a folder that holds results of other settings."""
     existing = read_json(directory / CELL_FILE)
     if existing is not None and existing != fingerprint:
+        differing = sorted(key for key in {*existing, *fingerprint} if existing.get(key) != fingerprint.get(key))
         raise ConfigError(
-            f"{directory} holds results made with other settings; use another --out folder or remove it"
+            f"{directory} holds results made with other settings ({', '.join(differing)} differ"
+            f"{': the code changed since' if 'code_revision' in differing else ''}); "
+            "use another --out folder or remove it"
         )
     if existing is None:
         write_json(directory / CELL_FILE, fingerprint)
@@ -120,7 +140,7 @@ def load_cell_metrics(out: Path) -> list[dict[str, Any]]:
     for path in sorted(out.glob(f"*/*/*/{METRICS_FILE}")):
         metrics = read_json(path)
         if isinstance(metrics, dict) and "task" in metrics and "method" in metrics:
-            cells.append(metrics)
+            cells.append(upgrade_fields(metrics))
         else:
             logger.warning("%s: unreadable metrics file skipped", path)
     return cells

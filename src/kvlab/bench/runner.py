@@ -18,9 +18,9 @@ import torch
 
 from kvlab.bench import results
 from kvlab.bench.config import BenchConfig
-from kvlab.bench.methods import FULL_LABEL, MethodSpec, run_method
+from kvlab.bench.methods import FULL_LABEL, BenchMethod, run_method
 from kvlab.bench.summary import median_stats, summarize_cell
-from kvlab.bench.system import environment_record, git_revision, track_peak_memory
+from kvlab.bench.system import code_revision, environment_record, git_revision, track_peak_memory
 from kvlab.bench.tasks import Sample, Task, TaskData, tasks
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig
@@ -35,6 +35,9 @@ WARMUP_NEW_TOKENS = 2
 
 class BenchCallbacks:
     """Hooks the CLI uses for its progress bar; the defaults do nothing."""
+
+    def on_begin(self, config: BenchConfig) -> None:
+        """The matrix is valid, its data and output folder are usable, and models are about to load."""
 
     def on_start(self, model: str, total_samples: int) -> None:
         """Before a model's cells: how many samples remain to be generated for it."""
@@ -87,8 +90,11 @@ def _run_models(
     task_objects = [tasks.from_dict(spec) for spec in config.tasks]
     for task in task_objects:
         task.check_data()
+    callbacks.on_begin(config)
     results.write_json(out / "config.json", config.to_dict())
     results.write_json(out / "environment.json", environment_record(config.device))
+    # Once per run: the code in memory is the code at start, whatever is committed meanwhile.
+    revision = code_revision()
     cells: list[dict[str, Any]] = []
     for model in config.models:
         loaded = loaded_models.get(model) or load_model(model, dtype=config.dtype, device=config.device)
@@ -98,7 +104,7 @@ def _run_models(
         for item in prepared:
             for method in config.methods:
                 callbacks.on_cell(model, item.name, method.label)
-                cells.append(run_cell(out, model, loaded, item, method, config, callbacks, warmed))
+                cells.append(run_cell(out, model, loaded, item, method, config, callbacks, warmed, revision))
     return cells
 
 
@@ -140,7 +146,7 @@ def encode_sample(loaded: LoadedModel, sample: Sample) -> list[int]:
     return [int(i) for i in ids]
 
 
-def warm_up(loaded: LoadedModel, method: MethodSpec, prompt: list[int]) -> None:
+def warm_up(loaded: LoadedModel, method: BenchMethod, prompt: list[int]) -> None:
     """One short generation so first-call costs (allocation, lazy initialisation) are not measured."""
     config = GenerationConfig(max_new_tokens=WARMUP_NEW_TOKENS, ignore_eos=True)
     run_method(loaded, method, [prompt[:WARMUP_PROMPT_TOKENS]], config)
@@ -151,17 +157,19 @@ def run_cell(
     model: str,
     loaded: LoadedModel,
     item: PreparedTask,
-    method: MethodSpec,
+    method: BenchMethod,
     config: BenchConfig,
     callbacks: BenchCallbacks,
     warmed: set[str],
+    revision: str,
 ) -> dict[str, Any]:
     """Generate and score the cell's missing samples, then write and return its metrics.
 
-    `warmed` holds the labels of methods already warmed up in this process (updated here).
+    `warmed` holds the labels of methods already warmed up in this process (updated here);
+    `revision` is the code revision (`code_revision()`) the cell's fingerprint records.
     """
     directory = results.cell_dir(out, model, item.name, method.label)
-    fingerprint = cell_fingerprint(model, item.task, method, config)
+    fingerprint = cell_fingerprint(model, item.task, method, config, revision)
     finished = _finished_metrics(directory, fingerprint, len(item.data.samples))
     if finished is not None:
         return finished
@@ -190,6 +198,7 @@ def run_cell(
         "workload": item.task.workload,
         "method": method.label,
         "kind": method.kind,
+        "scorer": item.task.scorer,
         "skipped_rows": item.data.skipped_rows,
         "fingerprint": fingerprint,
         "git_revision": git_revision(),
@@ -201,7 +210,7 @@ def run_cell(
 
 def measure_sample(
     loaded: LoadedModel,
-    method: MethodSpec,
+    method: BenchMethod,
     task: Task,
     sample: Sample,
     prompt: list[int],
@@ -209,13 +218,13 @@ def measure_sample(
     repeats: int,
 ) -> dict[str, Any]:
     """Generate `repeats` times (median timings), score the output, and return the sample's record."""
-    runs, outputs, outputs_spec = [], [], []
+    runs, outputs, lossless_stats = [], [], []
     with track_peak_memory(loaded.device) as peak:
         for _ in range(repeats):
             output = run_method(loaded, method, [prompt], generation)
             outputs.append(output.requests[0])
             runs.append(dataclasses.asdict(output.stats))
-            outputs_spec.append(output.lossless if isinstance(output, LosslessOutput) else None)
+            lossless_stats.append(output.lossless if isinstance(output, LosslessOutput) else None)
     request = outputs[0]
     if any(other.token_ids != request.token_ids for other in outputs[1:]):
         logger.warning("%s/%s: repeated greedy runs gave different outputs", method.label, sample.id)
@@ -228,21 +237,24 @@ def measure_sample(
         "scores": task.score(request.text, sample),
         "stats": median_stats(runs),
         "memory": dataclasses.asdict(peak),
-        "spec": _spec_summary(outputs_spec),
+        "lossless": _lossless_summary(lossless_stats),
     }
 
 
-def _spec_summary(spec_stats: list[Any]) -> dict[str, Any] | None:
+def _lossless_summary(lossless_stats: list[Any]) -> dict[str, Any] | None:
     """Acceptance of a lossless method's drafts (first run), or None for other methods."""
-    first = spec_stats[0]
+    first = lossless_stats[0]
     if first is None:
         return None
     return {"acceptance_length": first.acceptance_length, "rounds": first.rounds, "draft_tokens": first.num_draft_tokens}
 
 
-def cell_fingerprint(model: str, task: Task, method: MethodSpec, config: BenchConfig) -> dict[str, Any]:
-    """What a cell's results depend on; a folder made with another fingerprint is never mixed in."""
+def cell_fingerprint(
+    model: str, task: Task, method: BenchMethod, config: BenchConfig, revision: str
+) -> dict[str, Any]:
+    """What a cell's results depend on, code revision included; a folder made with another is never mixed in."""
     return {
+        "code_revision": revision,
         "model": model,
         "dtype": config.dtype,
         "device": config.device,
@@ -263,7 +275,7 @@ def _full_records(out: Path, model: str, task: str) -> list[dict[str, Any]]:
     return results.read_predictions(results.cell_dir(out, model, task, FULL_LABEL) / results.PREDICTIONS_FILE)
 
 
-def _remaining_samples(out: Path, model: str, prepared: list[PreparedTask], methods: tuple[MethodSpec, ...]) -> int:
+def _remaining_samples(out: Path, model: str, prepared: list[PreparedTask], methods: tuple[BenchMethod, ...]) -> int:
     remaining = 0
     for item in prepared:
         wanted = {sample.id for sample in item.data.samples}

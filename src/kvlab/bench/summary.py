@@ -61,7 +61,7 @@ def system_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     device_peaks = [record["memory"]["device_bytes"] for record in records if record["memory"]["device_bytes"]]
     summary["peak_device_bytes"] = max(device_peaks) if device_peaks else None
     summary["process_rss_bytes"] = max(record["memory"]["process_rss_bytes"] for record in records)
-    acceptance = [record["spec"]["acceptance_length"] for record in records if record.get("spec")]
+    acceptance = [record["lossless"]["acceptance_length"] for record in records if record.get("lossless")]
     summary["acceptance_length"] = statistics.median(acceptance) if acceptance else None
     return summary
 

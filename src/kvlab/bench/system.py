@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -63,6 +64,23 @@ def git_revision() -> dict[str, Any] | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return {"commit": head, "dirty": dirty}
+
+
+def code_revision() -> str:
+    """What code produced a result: the commit, plus a digest of uncommitted changes under `src/`.
+
+    A cell's fingerprint holds it, so a resumed run never mixes in cells made by other code. Outside a
+    git checkout (an installed wheel) it is the package version.
+    """
+    root = Path(__file__).resolve().parents[3]
+    try:
+        head = _git(root, "rev-parse", "HEAD")
+        diff = _git(root, "diff", "HEAD", "--", "src")
+    except (OSError, subprocess.CalledProcessError):
+        return f"kvlab {_version('kvlab') or 'unknown'}"
+    if not diff:
+        return head
+    return f"{head}+{hashlib.sha256(diff.encode()).hexdigest()[:12]}"
 
 
 def _git(root: Path, *args: str) -> str:

@@ -12,7 +12,8 @@ from tqdm import tqdm
 
 from kvlab.bench import BenchCallbacks, preset_config, run_benchmark
 from kvlab.bench.methods import parse_method
-from kvlab.bench.presets import PRESETS
+from kvlab.bench.config import BenchConfig
+from kvlab.bench.presets import DEFAULT_PRESET, PRESETS
 from kvlab.bench.report import render_report
 from kvlab.bench.tasks import tasks
 from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json
@@ -27,7 +28,11 @@ class BenchCommand(Command):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("action", nargs="?", choices=("run", "report"), default="run", help="run (default) or report")
         parser.add_argument("directory", nargs="?", type=Path, help="results folder (for `report`)")
-        parser.add_argument("--preset", default="smoke", choices=sorted(PRESETS), help="the matrix to start from")
+        parser.add_argument(
+            "--preset",
+            choices=sorted(PRESETS),
+            help=f"the matrix to start from (default: {DEFAULT_PRESET}, CI-sized: ~200-token contexts, 1 sample)",
+        )
         parser.add_argument(
             "--methods", nargs="+", metavar="METHOD", help="rows: kivi-2, snapkv-50, ... or COMPRESSOR:key=value,..."
         )
@@ -35,8 +40,15 @@ class BenchCommand(Command):
             "--tasks", nargs="+", metavar="TASK", help="tasks (the preset's settings, or TASK:key=value,...)"
         )
         parser.add_argument("--samples", type=int, help="samples per task (default: the preset's)")
+        parser.add_argument(
+            "--ratios",
+            type=_ratios,
+            metavar="R1,R2,...",
+            help="run every eviction/merging method at each compression_ratio (fraction of tokens removed), "
+            "e.g. 0.25,0.5,0.75,0.875 (default: the preset's)",
+        )
         parser.add_argument("--out", type=Path, help="results folder (default: bench-results/PRESET)")
-        parser.add_argument("--model", action="append", help="model to benchmark (repeatable; default: smollm2)")
+        parser.add_argument("--model", action="append", help="model to benchmark (repeatable; default: the preset's)")
         parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
         parser.add_argument("--repeats", type=int, default=1, help="generations per sample; timings are medians")
         parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -47,17 +59,20 @@ class BenchCommand(Command):
             return self._report(args)
         if args.directory is not None:
             raise ConfigError("a results folder is given with --out; `kvlab bench report DIR` re-renders one")
-        out = args.out or Path("bench-results") / args.preset
+        preset_name = args.preset or DEFAULT_PRESET
+        out = args.out or Path("bench-results") / preset_name
         fields: dict[str, Any] = {"out": str(out), "device": args.device, "repeats": args.repeats, "threads": args.threads}
         if args.samples is not None:
             fields["samples"] = args.samples
+        if args.ratios is not None:
+            fields["ratios"] = args.ratios
         if args.model:
             fields["models"] = tuple(args.model)
         if args.tasks:
-            fields["tasks"] = tuple(_task_spec(text, PRESETS[args.preset].tasks) for text in args.tasks)
+            fields["tasks"] = tuple(_task_spec(text, PRESETS[preset_name].tasks) for text in args.tasks)
         methods = tuple(parse_method(text) for text in args.methods) if args.methods else None
-        config = preset_config(args.preset, methods=methods, **fields)
-        with BarCallbacks(enabled=not args.json) as callbacks:
+        config = preset_config(preset_name, methods=methods, **fields)
+        with BarCallbacks(enabled=not args.json, defaulted=args.preset is None) as callbacks:
             cells = run_benchmark(config, callbacks)
         report = render_report(Path(config.out))
         if args.json:
@@ -75,6 +90,28 @@ class BenchCommand(Command):
         else:
             print(f"report: {report}")
         return EXIT_OK
+
+
+def settings_summary(config: BenchConfig, defaulted: bool) -> str:
+    """What the run will measure, in a few lines (the report header repeats it)."""
+    note = " (the default: no --preset given)" if defaulted else ""
+    tasks_text = ", ".join(
+        f"{spec['name']} ({spec.get('context_tokens', 'its own')} ctx, {spec.get('max_new_tokens', 'default')} new)"
+        for spec in config.tasks
+    )
+    return "\n".join([
+        f"preset: {config.preset}{note}",
+        f"models: {', '.join(config.models)}; samples per task: {config.samples}",
+        f"tasks (context tokens, new tokens): {tasks_text}",
+        f"methods: {', '.join(method.label for method in config.methods)}",
+    ])
+
+
+def _ratios(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(item) for item in text.split(",") if item.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions like 0.25,0.5, got {text!r}") from None
 
 
 def _task_spec(text: str, preset_tasks: tuple[dict[str, Any], ...]) -> dict[str, Any]:
@@ -96,11 +133,17 @@ def _field_type(name: str, key: str) -> Any:
 
 
 class BarCallbacks(BenchCallbacks):
-    """A stderr progress bar over the run's samples, with live samples/s and the current cell."""
+    """The run's settings, then a stderr progress bar over its samples: live samples/s, ETA, the current cell."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, defaulted: bool = False) -> None:
+        self.verbose = enabled
         self.enabled = enabled and sys.stderr.isatty()
+        self.defaulted = defaulted
         self._bar: tqdm[Any] | None = None
+
+    def on_begin(self, config: BenchConfig) -> None:
+        if self.verbose:
+            print(settings_summary(config, self.defaulted), file=sys.stderr)
 
     def on_start(self, model: str, total_samples: int) -> None:
         self.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvlab.bench import methods
-from kvlab.bench.methods import CATALOG, MethodSpec, parse_method, run_method
+from kvlab.bench.methods import CATALOG, BenchMethod, parse_method, run_method
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig
 from tests.conftest import tiny_llama
@@ -32,7 +32,7 @@ def test_lossless_spec_parses_the_draft_length() -> None:
 
 def test_round_trip_through_dict() -> None:
     for spec in CATALOG.values():
-        assert MethodSpec.from_dict(spec.to_dict()) == spec
+        assert BenchMethod.from_dict(spec.to_dict()) == spec
 
 
 @pytest.mark.parametrize(
@@ -51,11 +51,11 @@ def test_bad_method_strings_are_config_errors(text: str, message: str) -> None:
 
 def test_inconsistent_specs_are_refused() -> None:
     with pytest.raises(ConfigError, match="full KV takes no compressor"):
-        MethodSpec("x", "full", {"name": "kivi", "bits": 2})
+        BenchMethod("x", "full", {"name": "kivi", "bits": 2})
     with pytest.raises(ConfigError, match="unknown method kind 'fancy'"):
-        MethodSpec("x", "fancy", {"name": "kivi"})  # type: ignore[arg-type]
+        BenchMethod("x", "fancy", {"name": "kivi"})  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="num_draft_tokens applies to lossless methods only"):
-        MethodSpec("x", "lossy", {"name": "kivi"}, num_draft_tokens=4)
+        BenchMethod("x", "lossy", {"name": "kivi"}, num_draft_tokens=4)
 
 
 def test_every_method_kind_has_an_engine() -> None:
