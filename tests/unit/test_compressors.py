@@ -10,10 +10,10 @@ import torch
 
 from kvlab.cache import KVCache, forward
 from kvlab.compress import CompressionContext, compressors, create_compressor
-from kvlab.quant.packing import pack_codes, unpack_codes
 from kvlab.compress.turboquant import _dequantize_mse, _quantize_mse, lloyd_max_codebook
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, generate
+from kvlab.quant.packing import pack_codes, unpack_codes
 from tests.conftest import assert_identity_compression_is_bit_identical, tiny_llama
 from tests.reference import eviction as ref_eviction
 from tests.reference import quantization as ref_quantization
@@ -23,6 +23,7 @@ SCALING = 1 / math.sqrt(16)
 # Every registered method with an easy and a hard setting (the matrix must cover the registry).
 METHOD_MATRIX: dict[str, list[dict[str, object]]] = {
     "snapkv": [{"compression_ratio": 0.3}, {"compression_ratio": 0.9, "window_size": 8}],
+    "snapkv_agnostic": [{"compression_ratio": 0.3}, {"compression_ratio": 0.9, "window_size": 8}],
     "h2o": [{"compression_ratio": 0.3}, {"budget": 12, "recent_ratio": 0.25}],
     "streamingllm": [{"compression_ratio": 0.3}, {"budget": 10, "num_sinks": 2}],
     "cam": [{"compression_ratio": 0.3}, {"compression_ratio": 0.85, "merge_span": 4}],
@@ -31,6 +32,7 @@ METHOD_MATRIX: dict[str, list[dict[str, object]]] = {
 }
 IDENTITY = {
     "snapkv": {"compression_ratio": 0.0},
+    "snapkv_agnostic": {"compression_ratio": 0.0},
     "h2o": {"compression_ratio": 0.0},
     "streamingllm": {"compression_ratio": 0.0},
     "cam": {"compression_ratio": 0.0},

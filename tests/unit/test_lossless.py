@@ -15,6 +15,7 @@ from tests.conftest import tiny_llama
 # A lossy setting of every registered drafter (the matrix must cover the registry).
 DRAFTERS: dict[str, dict[str, object]] = {
     "snapkv": {"compression_ratio": 0.8, "window_size": 8},
+    "snapkv_agnostic": {"compression_ratio": 0.8, "window_size": 8},
     "h2o": {"budget": 16},
     "streamingllm": {"budget": 12},
     "cam": {"compression_ratio": 0.7, "merge_span": 4},

@@ -1,6 +1,6 @@
 """KV-cache compressors behind one contract (see `kvlab.compress.base`), one method per module."""
 
-from kvlab.compress import cam, h2o, kivi, snapkv, streamingllm, turboquant
+from kvlab.compress import cam, h2o, kivi, snapkv, snapkv_agnostic, streamingllm, turboquant
 from kvlab.compress.base import CompressedKV, CompressionContext, Compressor, compressors, create_compressor
 from kvlab.compress.eviction import EvictedKV, EvictionCompressor
 from kvlab.compress.merging import MergingCompressor
@@ -21,6 +21,7 @@ __all__ = [
     "h2o",
     "kivi",
     "snapkv",
+    "snapkv_agnostic",
     "streamingllm",
     "turboquant",
 ]
