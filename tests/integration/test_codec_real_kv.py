@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
+from kvlab.bench.codec import collect_kv
 from kvlab.cli import main
 from kvlab.codec import StreamDecoder, create_codec
-from kvlab.bench.codec import collect_kv
 from kvlab.codec.layouts import integer_view
 from kvlab.models import LoadedModel
 

@@ -12,10 +12,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from kvlab.bench.codec import DEFAULT_CASES, CodecBenchStats, bench_codecs, collect_kv
 from kvlab.cli.base import EXIT_OK, Command, add_json_flag, add_subcommand, print_json
 from kvlab.cli.progress import TokenProgress
 from kvlab.codec import DEFAULT_MAX_DECODED_BYTES, CodecError, ExpectedFrame, codecs, decode_frame
-from kvlab.bench.codec import DEFAULT_CASES, CodecBenchStats, bench_codecs, collect_kv
 from kvlab.errors import ConfigError
 from kvlab.models import DEFAULT_MODEL, load_model
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvlab.codec import byteplane, cachegen, quant_zstd, raw, video, zstd
+from kvlab.codec import byteplane, cachegen, quant_zstd, raw, video, video_codes, zstd
 from kvlab.codec.base import Codec, Lossless, codecs
 from kvlab.codec.errors import CodecError
 from kvlab.codec.framing import DEFAULT_MAX_DECODED_BYTES, ExpectedFrame, FrameHeader, read_frame
@@ -33,7 +33,7 @@ __all__ = [
     "read_header",
 ]
 
-_MODULES = (byteplane, cachegen, quant_zstd, raw, video, zstd)
+_MODULES = (byteplane, cachegen, quant_zstd, raw, video, video_codes, zstd)
 
 
 def available_codecs() -> list[str]:

@@ -59,8 +59,16 @@ class Codec(abc.ABC):
         return "token-major"
 
     def params(self) -> dict[str, Any]:
-        """The codec's parameters as written into frames (everything `to_dict` gives but the name)."""
-        return {key: value for key, value in to_dict(self).items() if key != "name"}
+        """The codec's parameters as written into frames (everything `to_dict` gives but the name).
+
+        Fields marked `omit_default` in their metadata are left out at their default, so frames
+        written before such a field existed still match the codec that reads them.
+        """
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.metadata.get("omit_default")}
+        return {
+            key: value for key, value in to_dict(self).items()
+            if key != "name" and not (key in defaults and value == defaults[key])
+        }
 
     def encode(self, tensor: torch.Tensor) -> bytes:
         """One frame holding `tensor` (any shape; see `layouts.token_geometry`) on the CPU."""

@@ -9,7 +9,7 @@ it equals `reconstruct(input)` bit for bit, and the codes behind it equal the en
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import numpy as np
@@ -28,8 +28,8 @@ from kvlab.codec.base import (
 )
 from kvlab.codec.errors import CodecError
 from kvlab.codec.framing import chunk_bounds, pack_sections, unpack_sections
-from kvlab.quant.groupwise import BITS, QuantizedGroups, dequantize, kv_axis, num_groups, quantize
 from kvlab.errors import ConfigError
+from kvlab.quant.groupwise import BITS, QuantizedGroups, dequantize, kv_axis, num_groups, quantize
 
 META_LEVEL = 3
 
@@ -41,7 +41,7 @@ class QuantizedCodec(Codec):
     kind: Kind = dataclasses.field(
         default="keys", metadata={"help": "keys (quantized per channel) or values (quantized per token)"}
     )
-    bits: Literal[2, 4, 8] = dataclasses.field(default=8, metadata={"help": "bits per code: 2, 4 or 8"})
+    bits: Literal[2, 3, 4, 8] = dataclasses.field(default=8, metadata={"help": "bits per code: 2, 3, 4 or 8"})
     group_size: int = dataclasses.field(
         default=128, metadata={"help": "elements per group: tokens for keys, channels of one head for values"}
     )
@@ -99,6 +99,67 @@ class QuantizedCodec(Codec):
             quantized = QuantizedGroups(torch.from_numpy(codes), zeros, scales, self.bits,
                                         kv_axis(self.kind) % 3, self.group_size)
             yield dequantize(quantized, dtype)
+
+    def restore_by_token(
+        self, payload: bytes | memoryview, target: torch.Tensor, on_token: Callable[[int], None] | None = None
+    ) -> int:
+        """Decode one chunk's payload into `target` `[lead, t, D]` a token at a time; the peak buffer in bytes.
+
+        Each token is dequantized and written as soon as its codes are decoded, and `on_token(index)`
+        follows, so restoration overlaps decoding. The buffer counted is what this method holds besides
+        the payload and the target: the metadata and the codes `iter_token_codes` keeps.
+
+        Raises:
+            CodecError: The payload does not decode to exactly the target's shape.
+        """
+        try:
+            return self._restore_by_token(payload, target, on_token)
+        except CodecError:
+            raise
+        except Exception as error:
+            raise CodecError(f"{self.name} payload does not decode: {type(error).__name__}: {error}") from error
+
+    def _restore_by_token(
+        self, payload: bytes | memoryview, target: torch.Tensor, on_token: Callable[[int], None] | None
+    ) -> int:
+        shape = target_shape(target)
+        meta, blob = unpack_sections(payload, 2)
+        zeros, scales = self._decode_meta(meta, shape, target.dtype)
+        meta_bytes = 2 * zeros.numel() * zeros.element_size()
+        peak, count = meta_bytes, 0
+        for index, (token_codes, held_bytes) in enumerate(self.iter_token_codes(blob, shape)):
+            if index >= shape[1] or token_codes.shape != (shape[0], shape[2]) or \
+                    (token_codes.size and int(token_codes.max()) >= 1 << self.bits):
+                raise CodecError(f"token {index} decoded to codes that do not fit chunk {shape} at {self.bits} bits")
+            target[:, index] = self._dequantize_token(token_codes, zeros, scales, index, target.dtype)
+            peak, count = max(peak, meta_bytes + held_bytes), index + 1
+            if on_token is not None:
+                on_token(index)
+        if count != shape[1]:
+            raise CodecError(f"chunk decoded to {count} tokens, expected {shape[1]}")
+        return peak
+
+    def iter_token_codes(self, blob: bytes | memoryview, shape: ChunkShape) -> Iterator[tuple[np.ndarray, int]]:
+        """Each token's `[lead, D]` uint8 codes in order, with the bytes of codes held to produce it.
+
+        The base decodes the whole chunk first; coders that decode token by token override this.
+        """
+        codes = self.decode_code_chunks([blob], [shape])[0]
+        if codes.shape != shape:
+            raise CodecError(f"codes of shape {codes.shape} do not fit chunk {shape}")
+        for index in range(shape[1]):
+            yield codes[:, index], codes.nbytes
+
+    def _dequantize_token(
+        self, codes: np.ndarray, zeros: torch.Tensor, scales: torch.Tensor, index: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """`[lead, D]` values of token `index`, bit for bit what dequantizing the whole chunk gives there."""
+        axis = kv_axis(self.kind) % 3
+        # Keys group tokens: the token's group holds its parameters. Values group channels: one row per token.
+        row = index // self.group_size if axis == 1 else index
+        quantized = QuantizedGroups(torch.from_numpy(np.ascontiguousarray(codes[:, None])), zeros[:, row : row + 1],
+                                    scales[:, row : row + 1], self.bits, axis, self.group_size)
+        return dequantize(quantized, dtype)[:, 0]
 
     def encode_code_chunks(self, codes: Sequence[np.ndarray]) -> list[bytes]:
         """Lossless payloads of the uint8 codes `[lead, t, D]` of several chunks."""

@@ -3,27 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from fractions import Fraction
-from types import ModuleType
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
 
-from kvlab.codec import layouts
+from kvlab.codec import layouts, videoio
 from kvlab.codec.base import ChunkShape, Codec, codecs
 from kvlab.codec.errors import CodecError
 from kvlab.codec.framing import pack_sections, unpack_sections
-from kvlab.errors import ConfigError, KvlabError
+from kvlab.errors import KvlabError
 
 Encoder = Literal["ffv1", "libx265"]
-# Encoder -> (decoder, options that make it lossless and quiet).
-ENCODERS: dict[str, tuple[str, dict[str, str]]] = {
-    "ffv1": ("ffv1", {"level": "3", "slicecrc": "0"}),
-    "libx265": ("hevc", {"x265-params": "lossless=1:log-level=none", "preset": "ultrafast"}),
-}
-PIXEL_FORMAT = "gray"
+# Encoder -> its bitstream format; x265 runs at its fastest preset (every preset is lossless-exact here).
+FORMAT_OF: dict[str, str] = {"ffv1": "ffv1", "libx265": "hevc"}
 
 
 @codecs.register("video")
@@ -54,15 +47,9 @@ class VideoCodec(Codec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.encoder not in ENCODERS:
-            raise ValueError(f"encoder must be one of {list(ENCODERS)}, got {self.encoder!r}")
-        av = require_av()
-        for name, mode in ((self.encoder, "w"), (ENCODERS[self.encoder][0], "r")):
-            try:
-                av.codec.Codec(name, mode)
-            except Exception as error:
-                raise ConfigError(f"this PyAV build has no {name!r} {'encoder' if mode == 'w' else 'decoder'}") \
-                    from error
+        if self.encoder not in FORMAT_OF:
+            raise ValueError(f"encoder must be one of {list(FORMAT_OF)}, got {self.encoder!r}")
+        self._backend = videoio.select_backend(FORMAT_OF[self.encoder], "never")
 
     def layout(self) -> str:
         return "kvcodec-frames"
@@ -81,56 +68,15 @@ class VideoCodec(Codec):
             return pack_sections([])
         planes = layouts.split_byte_planes(layouts.integer_view(chunk))
         geometry = layouts.VideoGeometry(chunk.shape[0], chunk.shape[2], planes.shape[0])
-        frames = layouts.to_video_frames(planes, geometry)
-        av = require_av()
-        context: Any = av.CodecContext.create(self.encoder, "w")
-        context.width, context.height, context.pix_fmt = geometry.width, geometry.height, PIXEL_FORMAT
-        context.time_base, context.framerate = Fraction(1, 25), Fraction(25, 1)
-        context.options = dict(ENCODERS[self.encoder][1])
-        packets: list[bytes] = []
-        for index, image in enumerate(frames):
-            frame = av.VideoFrame.from_ndarray(image, format=PIXEL_FORMAT)
-            frame.pts = index
-            packets += [bytes(packet) for packet in context.encode(frame)]
-        packets += [bytes(packet) for packet in context.encode(None)]
-        return pack_sections([bytes(context.extradata or b""), *packets])
+        return pack_sections(videoio.encode_frames(layouts.to_video_frames(planes, geometry), self._backend))
 
     def decode_chunk(self, payload: bytes | memoryview, shape: ChunkShape, dtype: torch.dtype) -> torch.Tensor:
         sections = unpack_sections(payload)
-        num_planes = torch.empty(0, dtype=dtype).element_size()
         if shape[0] * shape[1] * shape[2] == 0:
             if sections:
                 raise CodecError("an empty chunk carries video data")
             return torch.empty(shape, dtype=dtype)
-        if not sections:
-            raise CodecError("video chunk has no extradata section")
-        geometry = layouts.VideoGeometry(shape[0], shape[2], num_planes)
-        av = require_av()
-        context: Any = av.CodecContext.create(ENCODERS[self.encoder][0], "r")
-        context.width, context.height, context.pix_fmt = geometry.width, geometry.height, PIXEL_FORMAT
-        if len(sections[0]):
-            context.extradata = bytes(sections[0])
-        images = []
-        for packet in [av.Packet(bytes(section)) for section in sections[1:]] + [None]:
-            for frame in context.decode(packet):
-                images.append(_checked_image(frame.to_ndarray(), geometry))
-                if len(images) > shape[1]:
-                    raise CodecError(f"video chunk holds more than its {shape[1]} frames")
-        if len(images) != shape[1]:
-            raise CodecError(f"video chunk decoded to {len(images)} frames, expected {shape[1]}")
-        planes = layouts.from_video_frames(np.stack(images), geometry)
+        geometry = layouts.VideoGeometry(shape[0], shape[2], torch.empty(0, dtype=dtype).element_size())
+        images = videoio.decode_frames(sections, FORMAT_OF[self.encoder], (shape[1], geometry.height, geometry.width))
+        planes = layouts.from_video_frames(np.stack(list(images)), geometry)
         return layouts.from_integer_view(layouts.join_byte_planes(planes), dtype)
-
-
-def require_av() -> ModuleType:
-    """The `av` module, or a ConfigError saying how to install it."""
-    try:
-        return importlib.import_module("av")
-    except ImportError:
-        raise ConfigError("the video codec needs PyAV: pip install 'av>=12'") from None
-
-
-def _checked_image(image: np.ndarray, geometry: layouts.VideoGeometry) -> np.ndarray:
-    if image.shape != (geometry.height, geometry.width) or image.dtype != np.uint8:
-        raise CodecError(f"decoded frame {image.shape} {image.dtype}, expected ({geometry.height}, {geometry.width}) uint8")
-    return image

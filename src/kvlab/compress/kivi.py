@@ -8,8 +8,6 @@ from typing import ClassVar
 import torch
 
 from kvlab.compress.base import FP16_BYTES, compressors
-from kvlab.quant.groupwise import QuantizedGroups, dequantize, quantize
-from kvlab.quant.packing import packed_nbytes
 from kvlab.compress.quantization import (
     FULL_PRECISION_BITS,
     QuantizationCompressor,
@@ -18,6 +16,8 @@ from kvlab.compress.quantization import (
     unpack_code_tensor,
 )
 from kvlab.errors import ConfigError
+from kvlab.quant.groupwise import QuantizedGroups, dequantize, quantize
+from kvlab.quant.packing import packed_nbytes
 
 
 @dataclasses.dataclass(slots=True)

@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from kvlab.compress.base import FP16_BYTES, compressors
-from kvlab.quant.packing import packed_nbytes
 from kvlab.compress.quantization import (
     FULL_PRECISION_BITS,
     QuantizationCompressor,
@@ -19,6 +18,7 @@ from kvlab.compress.quantization import (
     pack_code_tensor,
     unpack_code_tensor,
 )
+from kvlab.quant.packing import packed_nbytes
 
 SEED_BYTES = 8
 

@@ -20,7 +20,7 @@ import torch
 
 KEY_AXIS = -2
 VALUE_AXIS = -1
-BITS = (2, 4, 8)
+BITS = (2, 3, 4, 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,7 @@ def quantize(
 
     Args:
         x: Finite floats of any shape.
-        bits: Bits per code, one of 2, 4, 8.
+        bits: Bits per code, one of 2, 3, 4, 8.
         axis: Axis the groups run along.
         group_size: Elements per group (at least 1).
         meta_dtype: Dtype of zeros and scales; defaults to `x.dtype`.

@@ -16,8 +16,15 @@ CODEC_MATRIX: dict[str, list[dict[str, Any]]] = {
     "zstd": [{}],
     "byteplane": [{}, {"order": "channel-major"}, {"center": False}],
     "video": [{"encoder": "ffv1"}, {"encoder": "libx265"}],
-    "quant_zstd": [{"kind": kind, "bits": bits} for kind in KINDS for bits in (2, 4, 8)],
-    "cachegen": [{"kind": kind, "bits": bits} for kind in KINDS for bits in (2, 8)],
+    "quant_zstd": [{"kind": kind, "bits": bits} for kind in KINDS for bits in (2, 4, 8)]
+    + [{"kind": "keys", "bits": 3, "predict": "token"}, {"kind": "values", "bits": 4, "predict": "token"}],
+    "cachegen": [{"kind": kind, "bits": bits} for kind in KINDS for bits in (2, 8)]
+    + [{"kind": "keys", "bits": 3, "context": "channel"}],
+    "video_codes": [
+        {"kind": "keys", "bits": 2, "format": "hevc", "preset": "ultrafast"},
+        {"kind": "values", "bits": 8, "format": "hevc"},
+        {"kind": "keys", "bits": 3, "format": "ffv1"},
+    ],
 }
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvlab.cli import main
 from kvlab.bench.codec import BenchCase, bench_codecs
+from kvlab.cli import main
 from kvlab.codec.layouts import integer_view
 from tests.unit.codec.matrix import random_kv
 

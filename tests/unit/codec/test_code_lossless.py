@@ -10,8 +10,8 @@ import torch
 from kvlab.codec import CodecError
 from kvlab.codec.layouts import as_tokens, integer_view
 from kvlab.codec.quantized import QuantizedCodec
-from kvlab.quant.groupwise import error_bound
 from kvlab.errors import ConfigError
+from kvlab.quant.groupwise import error_bound
 from tests.unit.codec.matrix import build, matrix_params, random_kv
 
 CODES = matrix_params("codes")

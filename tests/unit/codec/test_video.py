@@ -35,7 +35,8 @@ def test_no_8x8_block_mixes_heads_or_planes() -> None:
             assert len(owners) <= 1, f"block at ({row}, {col}) mixes heads/planes {owners}"
 
 
-def test_missing_pyav_is_a_config_error_naming_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("name", ["video", "video_codes"])
+def test_missing_pyav_is_a_config_error_naming_the_package(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "av", None)
     with pytest.raises(ConfigError, match="pip install 'av"):
-        create_codec("video")
+        create_codec(name)

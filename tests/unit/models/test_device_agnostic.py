@@ -21,8 +21,8 @@ import torch
 
 import kvlab
 from kvlab.compress import CompressionContext, compressors, create_compressor
-from kvlab.quant.packing import pack_codes, unpack_codes
 from kvlab.compress.quantization import pack_code_tensor, unpack_code_tensor
+from kvlab.quant.packing import pack_codes, unpack_codes
 from kvlab.timing import Stopwatch, synchronize
 from tests.unit.test_compressors import METHOD_MATRIX
 
