@@ -130,14 +130,24 @@ def decode_chunk(
     """Keys and values of a chunk `encode_chunk` wrote; `CodecError` for anything else, including
     frames that are not the shape, dtype and size `geometry` (when given) allows."""
     expected = None if geometry is None else geometry.expected_frame()
+    key_frame, value_frame = split_chunk(data)
+    keys = resolution.key_codec().decode(key_frame, expected)
+    values = resolution.value_codec().decode(value_frame, expected)
+    if keys.shape != values.shape:
+        raise CodecError(f"stored chunk holds keys {tuple(keys.shape)} but values {tuple(values.shape)}")
+    return keys, values
+
+
+def split_chunk(data: bytes | memoryview) -> tuple[memoryview, memoryview]:
+    """The key frame and the value frame of a chunk `encode_chunk` wrote (each names its own codec).
+
+    Raises:
+        CodecError: The bytes do not start with a prefix chunk's header, or are truncated.
+    """
     if len(data) < _HEADER.size:
         raise CodecError(f"stored chunk of {len(data)} bytes is shorter than its header")
     magic, key_length = _HEADER.unpack_from(data)
     if magic != _MAGIC or key_length > len(data) - _HEADER.size:
         raise CodecError("stored chunk has a bad header (not a kvlab prefix chunk, or truncated)")
     view = memoryview(data)
-    keys = resolution.key_codec().decode(view[_HEADER.size : _HEADER.size + key_length], expected)
-    values = resolution.value_codec().decode(view[_HEADER.size + key_length :], expected)
-    if keys.shape != values.shape:
-        raise CodecError(f"stored chunk holds keys {tuple(keys.shape)} but values {tuple(values.shape)}")
-    return keys, values
+    return view[_HEADER.size : _HEADER.size + key_length], view[_HEADER.size + key_length :]
