@@ -36,12 +36,14 @@ class BatchRows:
         return len(self.generated) - 1
 
     def release(self, request: int) -> None:
-        """Drop a request's tokens and leave its row out of the batch (its index stays taken)."""
+        """Drop a request's tokens (its index stays taken; a request not stopped yet is cancelled).
+
+        For batches whose rows are their requests (`active` never shrinks), as a lossless run's are.
+        """
         self.generated[request] = []
         self.checkers[request] = self.checker
         if self.reasons[request] is None:
             self.reasons[request] = "cancelled"
-        self.active = [index for index in self.active if index != request]
 
     def emit(self, row: int, tokens: list[int]) -> int:
         """Append `tokens` to batch row `row` one by one until it stops; returns how many were kept."""

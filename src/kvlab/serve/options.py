@@ -1,0 +1,108 @@
+"""From a validated request body to what the engine runs: prompt ids, decoding settings, mode, drafter."""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from typing import Any
+
+from kvlab.compress import Compressor, compressors
+from kvlab.errors import ConfigError
+from kvlab.generation.config import GenerationConfig
+from kvlab.lossless.config import LosslessConfig
+from kvlab.models import LoadedModel
+from kvlab.serve.config import Mode, ServeConfig
+from kvlab.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResolvedRequest:
+    """A request's engine settings (see `kvlab.serve.request.ServeRequest`)."""
+
+    prompt: list[int]
+    config: GenerationConfig
+    mode: Mode
+    compressor: Compressor | None
+    lossless: LosslessConfig | None
+    cache_salt: str | None
+
+
+def resolve(
+    body: CompletionRequest | ChatCompletionRequest, loaded: LoadedModel, serve: ServeConfig, default_lossless: LosslessConfig
+) -> ResolvedRequest:
+    """Tokenize and check `body` against the server's limits.
+
+    Raises:
+        ConfigError: The request breaks a limit or names an unknown drafter or parameter (HTTP 400).
+    """
+    prompt = prompt_ids(body, loaded)
+    context = loaded.architecture.max_context
+    limit = min(serve.max_prompt_tokens or context, context - 1)
+    if len(prompt) > limit:
+        raise ConfigError(f"the prompt has {len(prompt)} tokens; this server accepts at most {limit} (max_prompt_tokens)")
+    config = GenerationConfig(
+        max_new_tokens=_max_tokens(body, len(prompt), context, serve),
+        temperature=body.temperature,
+        top_p=body.top_p,
+        # OpenAI's API samples differently every time unless a seed is given.
+        seed=secrets.randbits(63) if body.seed is None else body.seed,
+        stop_strings=body.stop_strings,
+        prefill_chunk_tokens=serve.prefill_chunk_tokens,
+    )
+    options = body.kvlab
+    mode: Mode = options.mode or serve.mode
+    if mode == "plain" and (options.drafter is not None or options.drafter_args or options.draft_length is not None):
+        raise ConfigError("kvlab.drafter, kvlab.drafter_args and kvlab.draft_length need mode 'lossy' or 'lossless'")
+    if mode == "lossy" and options.draft_length is not None:
+        raise ConfigError("kvlab.draft_length needs mode 'lossless'")
+    compressor = None
+    if mode != "plain":
+        if options.drafter is None and options.drafter_args is None:
+            compressor = compressors.create_from_strings(serve.drafter, list(serve.drafter_args))
+        else:
+            compressor = compressors.create(options.drafter or serve.drafter, **(options.drafter_args or {}))
+    lossless = None
+    if mode == "lossless":
+        assert compressor is not None
+        draft_length = default_lossless.num_draft_tokens if options.draft_length is None else options.draft_length
+        lossless = dataclasses.replace(default_lossless, drafter=compressor, num_draft_tokens=draft_length)
+    return ResolvedRequest(prompt, config, mode, compressor, lossless, options.cache_salt)
+
+
+def prompt_ids(body: CompletionRequest | ChatCompletionRequest, loaded: LoadedModel) -> list[int]:
+    """Completions: the prompt as is (or given as token ids); chat: the messages through the chat template."""
+    if isinstance(body, ChatCompletionRequest):
+        if not loaded.has_chat_template:
+            raise ConfigError(f"model {loaded.name} has no chat template: use /v1/completions")
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text} for m in body.messages]
+        encoded: Any = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids: Any = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+        return [int(i) for i in ids]
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        vocab = len(loaded.tokenizer)
+        if any(not 0 <= int(token) < vocab for token in prompt):
+            raise ConfigError(f"prompt token ids must be in 0..{vocab - 1}")
+        return [int(token) for token in prompt]
+    text = prompt if isinstance(prompt, str) else str(prompt[0])
+    if not text:
+        raise ConfigError("the prompt is empty")
+    return loaded.encode_prompt(text, raw=True)
+
+
+def _max_tokens(body: CompletionRequest | ChatCompletionRequest, num_prompt: int, context: int, serve: ServeConfig) -> int:
+    asked = body.max_tokens
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        asked = body.max_completion_tokens
+    room = context - num_prompt
+    if asked is None:
+        # As OpenAI: 16 for completions; chat generates until it stops, within the server's limit.
+        asked = 16 if isinstance(body, CompletionRequest) else serve.max_tokens_limit
+        return max(1, min(asked, room))
+    if asked > serve.max_tokens_limit:
+        raise ConfigError(f"max_tokens={asked} exceeds this server's limit of {serve.max_tokens_limit} (max_tokens_limit)")
+    if asked > room:
+        raise ConfigError(
+            f"the prompt has {num_prompt} tokens; with max_tokens={asked} that exceeds the model's context of {context} tokens"
+        )
+    return asked

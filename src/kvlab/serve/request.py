@@ -1,0 +1,134 @@
+"""A request as the serving engine sees it, and the events it sends back to the HTTP side."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvlab.compress import Compressor
+from kvlab.generation.config import GenerationConfig
+from kvlab.generation.outputs import RequestOutput
+from kvlab.lossless.config import LosslessConfig
+from kvlab.lossless.stats import LosslessStats
+from kvlab.serve.config import Mode
+from kvlab.store.prefix import FetchedPrefix
+
+
+@dataclasses.dataclass(slots=True)
+class TokensEvent:
+    """New tokens of the request (several at once when a lossless round accepted drafts)."""
+
+    token_ids: list[int]
+
+
+@dataclasses.dataclass(slots=True)
+class FinishedEvent:
+    """The request stopped; `output.text` is its final text (cut before a stop string)."""
+
+    output: RequestOutput
+    stats: RequestStats
+
+
+@dataclasses.dataclass(slots=True)
+class FailedEvent:
+    """The request could not be completed (`message` is safe to show the client)."""
+
+    message: str
+
+
+Event = TokensEvent | FinishedEvent | FailedEvent
+EventSink = Callable[[Event], None]
+"""Receives a request's events; called from the engine's thread, so it must be thread-safe."""
+
+
+@dataclasses.dataclass(slots=True)
+class RequestStats:
+    """Per-request figures returned in the reply's `kvlab` field.
+
+    Attributes:
+        mode: plain, lossy or lossless.
+        drafter: The compressor's name (lossy and lossless), else None.
+        prompt_tokens, completion_tokens: Token counts.
+        cached_tokens: Prompt tokens restored from the prefix store instead of computed.
+        queue_s: Seconds from arrival until the request's prefill started (prefix fetch included).
+        ttft_s: Seconds from arrival to the first token.
+        decode_s: Seconds from the first token to the last.
+        num_draft_tokens, num_accepted_tokens, rounds, acceptance_length: Lossless rounds (vLLM's
+            definitions: acceptance length counts the bonus token); zero in other modes.
+    """
+
+    mode: Mode
+    drafter: str | None
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    queue_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    rounds: int = 0
+    acceptance_length: float = 0.0
+
+    def record_rounds(self, rounds: LosslessStats) -> None:
+        self.num_draft_tokens = rounds.num_draft_tokens
+        self.num_accepted_tokens = rounds.num_accepted_tokens
+        self.rounds = rounds.rounds
+        self.acceptance_length = rounds.acceptance_length
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class ServeRequest:
+    """One request from arrival to its last event.
+
+    Attributes:
+        prompt: Token ids the model is fed.
+        config: Its decoding settings (sampling, seed, stop strings, max new tokens).
+        mode: plain, lossy or lossless.
+        compressor: Lossy: the cache decoding reads; lossless: the drafter's (`lossless.drafter`).
+        lossless: Draft settings (lossless mode only).
+        cache_salt: Prefix-store namespace.
+        sink: Where its events go.
+        arrival_s: `time.perf_counter()` at arrival.
+        fetched: Its prefix, fetched in the background before prefill (None: nothing was fetched).
+        cancelled: The client went away; the engine drops the request at its next tick.
+        cached_tokens: Prompt tokens restored from the prefix store.
+        rounds: The lossless sequence's own round statistics, once it decodes.
+        prefill_start_s, first_token_s, last_token_s: `time.perf_counter()` at those moments.
+        num_tokens: Tokens sent so far.
+    """
+
+    prompt: list[int]
+    config: GenerationConfig
+    mode: Mode
+    compressor: Compressor | None
+    lossless: LosslessConfig | None
+    cache_salt: str | None
+    sink: EventSink
+    arrival_s: float = dataclasses.field(default_factory=time.perf_counter)
+    fetched: FetchedPrefix | None = None
+    cancelled: bool = False
+    cached_tokens: int = 0
+    rounds: LosslessStats | None = None
+    prefill_start_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    num_tokens: int = 0
+
+    def finish_stats(self, completion_tokens: int) -> RequestStats:
+        """The reply's figures once the request has stopped."""
+        drafter = None if self.compressor is None else str(type(self.compressor).registry_name)  # type: ignore[attr-defined]
+        stats = RequestStats(self.mode, drafter, len(self.prompt), completion_tokens, self.cached_tokens)
+        if self.prefill_start_s is not None:
+            stats.queue_s = self.prefill_start_s - self.arrival_s
+        if self.first_token_s is not None and self.last_token_s is not None:
+            stats.ttft_s = self.first_token_s - self.arrival_s
+            stats.decode_s = self.last_token_s - self.first_token_s
+        if self.rounds is not None:
+            stats.record_rounds(self.rounds)
+        return stats

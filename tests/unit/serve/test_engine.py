@@ -1,0 +1,183 @@
+"""The continuous-batching engine on a tiny random model: outputs equal offline decoding whatever joins
+or leaves the batch, prefill interleaves with decoding, limits and cancellation free rows."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvlab.compress import compressors
+from kvlab.generation import GenerationConfig, generate
+from kvlab.lossless import LosslessConfig, generate_lossless
+from kvlab.models import LoadedModel
+from kvlab.serve.config import ServeConfig
+from kvlab.serve.engine import EngineClosedError, ServeEngine, ServerBusyError
+from kvlab.serve.request import Event, FailedEvent, FinishedEvent, ServeRequest, TokensEvent
+from tests.conftest import tiny_llama
+
+PROMPTS = [[5 + (i * 7 + j * 3) % 80 for j in range(20 + 6 * i)] for i in range(4)]
+
+
+class Collector:
+    """Events of every request, in the order the engine sent them."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[int, Event]] = []
+        self.done: dict[int, queue.Queue[Event]] = {}
+        self.lock = threading.Lock()
+
+    def sink(self, tag: int) -> queue.Queue[Event]:
+        self.done[tag] = queue.Queue()
+
+        def receive(event: Event) -> None:
+            with self.lock:
+                self.log.append((tag, event))
+            if not isinstance(event, TokensEvent):
+                self.done[tag].put(event)
+
+        self._sinks = getattr(self, "_sinks", {})
+        self._sinks[tag] = receive
+        return self.done[tag]
+
+    def wait(self, tag: int, timeout: float = 60.0) -> Event:
+        return self.done[tag].get(timeout=timeout)
+
+
+def make_request(collector: Collector, tag: int, prompt: list[int], config: GenerationConfig, mode: str = "plain",
+                 drafter: str = "snapkv", draft_length: int | str = 3) -> ServeRequest:
+    collector.sink(tag)
+    compressor = None if mode == "plain" else compressors.create(drafter, budget=12)
+    lossless = None
+    if mode == "lossless":
+        assert compressor is not None
+        lossless = LosslessConfig(compressor, draft_length)  # type: ignore[arg-type]
+    return ServeRequest(prompt, config, mode, compressor, lossless, None, collector._sinks[tag])  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    return tiny_llama()
+
+
+@pytest.fixture
+def engine(loaded: LoadedModel) -> Iterator[ServeEngine]:
+    engine = ServeEngine(loaded, ServeConfig(max_num_seqs=3, max_queued_requests=2, prefill_chunk_tokens=8),
+                         LosslessConfig(compressors.create("snapkv", budget=12)))
+    yield engine
+    engine.shutdown()
+
+
+def offline(loaded: LoadedModel, prompt: list[int], config: GenerationConfig, mode: str) -> list[int]:
+    compressor = compressors.create("snapkv", budget=12)
+    if mode == "lossless":
+        return generate_lossless(loaded, [prompt], config, LosslessConfig(compressor, 3)).requests[0].token_ids
+    return generate(loaded, [prompt], config, compressor=compressor if mode == "lossy" else None).requests[0].token_ids
+
+
+@pytest.mark.parametrize("mode", ["plain", "lossy", "lossless"])
+def test_greedy_outputs_equal_offline_decoding_while_requests_join_and_leave(
+    engine: ServeEngine, loaded: LoadedModel, mode: str
+) -> None:
+    collector = Collector()
+    configs = [GenerationConfig(max_new_tokens=6 + 5 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    # More requests than running slots: the fourth joins when the first leaves.
+    for tag, (prompt, config) in enumerate(zip(PROMPTS, configs)):
+        engine.submit(make_request(collector, tag, prompt, config, mode))
+        time.sleep(0.01 * tag)
+    for tag, (prompt, config) in enumerate(zip(PROMPTS, configs)):
+        event = collector.wait(tag)
+        assert isinstance(event, FinishedEvent), event
+        expected = offline(loaded, prompt, config, mode)
+        assert event.output.token_ids == expected, f"{mode} request {tag} differs from offline decoding"
+        streamed = [t for tag_, e in collector.log if tag_ == tag and isinstance(e, TokensEvent) for t in e.token_ids]
+        assert streamed == expected, f"request {tag}: streamed tokens differ from the final output"
+    assert not engine.run.sequences
+
+
+def test_mixed_modes_share_the_batch_and_each_equals_its_offline_output(engine: ServeEngine, loaded: LoadedModel) -> None:
+    collector = Collector()
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    modes = ["plain", "lossless", "lossy"]
+    for tag, mode in enumerate(modes):
+        engine.submit(make_request(collector, tag, PROMPTS[tag], config, mode))
+    for tag, mode in enumerate(modes):
+        event = collector.wait(tag)
+        assert isinstance(event, FinishedEvent)
+        assert event.output.token_ids == offline(loaded, PROMPTS[tag], config, mode), f"{mode} request differs"
+        if mode == "lossless":
+            assert event.stats.rounds > 0 and event.stats.acceptance_length >= 1.0
+            assert event.stats.num_accepted_tokens <= event.stats.num_draft_tokens
+
+
+def test_a_long_prefill_is_chunked_so_running_requests_keep_streaming(engine: ServeEngine) -> None:
+    collector = Collector()
+    engine.submit(make_request(collector, 0, PROMPTS[0], GenerationConfig(max_new_tokens=60, ignore_eos=True)))
+    while not any(tag == 0 for tag, _ in collector.log):
+        time.sleep(0.001)
+    long_prompt = [7 + i % 80 for i in range(64)]  # 8 pieces of 8 tokens
+    engine.submit(make_request(collector, 1, long_prompt, GenerationConfig(max_new_tokens=2, ignore_eos=True)))
+    assert isinstance(collector.wait(1), FinishedEvent)
+    with collector.lock:
+        order = [tag for tag, event in collector.log if isinstance(event, TokensEvent)]
+    first_of_long = order.index(1)
+    arrived = len([t for t in order[:first_of_long] if t == 0])
+    assert order[:first_of_long].count(0) >= 7 + 1, (
+        f"the running request got {arrived} token events before the 8-piece prefill ended: decoding did not interleave"
+    )
+    assert isinstance(collector.wait(0), FinishedEvent)
+
+
+def test_a_cancelled_request_leaves_the_batch_and_frees_its_row(engine: ServeEngine) -> None:
+    collector = Collector()
+    request = make_request(collector, 0, PROMPTS[1], GenerationConfig(max_new_tokens=400, ignore_eos=True), "lossless")
+    engine.submit(request)
+    while not any(tag == 0 for tag, _ in collector.log):
+        time.sleep(0.001)
+    assert engine.metrics.running._value.get() == 1
+    engine.cancel(request)
+    deadline = time.monotonic() + 10
+    while engine.num_in_system() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert engine.num_in_system() == 0
+    assert not engine.run.sequences, "the cancelled sequence (and its caches) is still in the run"
+    assert engine.metrics.running._value.get() == 0
+    assert collector.done[0].empty(), "a cancelled request must get no further events"
+
+
+def test_seeded_sampling_is_reproducible_per_request_whatever_shares_the_batch(engine: ServeEngine) -> None:
+    sampled = GenerationConfig(max_new_tokens=10, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    outputs = []
+    for neighbours in (0, 2):
+        collector = Collector()
+        for tag in range(neighbours):
+            engine.submit(make_request(collector, 10 + tag, PROMPTS[tag + 1], GenerationConfig(max_new_tokens=8, seed=tag, temperature=1.0)))
+        for mode_tag, mode in ((0, "plain"), (1, "lossless")):
+            engine.submit(make_request(collector, mode_tag, PROMPTS[0], sampled, mode))
+        results = []
+        for tag in (0, 1):
+            event = collector.wait(tag)
+            assert isinstance(event, FinishedEvent)
+            results.append(event.output.token_ids)
+        for tag in range(neighbours):
+            collector.wait(10 + tag)
+        outputs.append(results)
+    assert outputs[0] == outputs[1], "a seeded request sampled differently beside other requests"
+
+
+def test_requests_beyond_the_batch_and_the_queue_are_refused(loaded: LoadedModel) -> None:
+    engine = ServeEngine(loaded, ServeConfig(max_num_seqs=1, max_queued_requests=1), LosslessConfig(compressors.create("snapkv")))
+    collector = Collector()
+    long = GenerationConfig(max_new_tokens=300, ignore_eos=True)
+    first, second = make_request(collector, 0, PROMPTS[0], long), make_request(collector, 1, PROMPTS[1], long)
+    engine.submit(first)
+    engine.submit(second)
+    with pytest.raises(ServerBusyError, match="1 running, 1 queued"):
+        engine.submit(make_request(collector, 2, PROMPTS[2], long))
+    engine.shutdown()
+    assert isinstance(collector.wait(0), FailedEvent), "shutdown without a grace period cancels running requests"
+    with pytest.raises(EngineClosedError):
+        engine.submit(make_request(collector, 3, PROMPTS[3], long))
