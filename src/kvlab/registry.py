@@ -83,7 +83,7 @@ class Registry(Generic[T]):
             raise ConfigError(f"{self.kind} {name!r} has no parameter {unknown[0]!r}; parameters: {allowed}")
         hints = typing.get_type_hints(cls)
         for key, value in params.items():
-            _check_type(f"{self.kind} {name!r} parameter {key!r}", value, hints.get(key, Any))
+            check_type(f"{self.kind} {name!r} parameter {key!r}", value, hints.get(key, Any))
         try:
             return cls(**params)
         except ConfigError:
@@ -126,7 +126,7 @@ class Registry(Generic[T]):
             elif field.default_factory is not dataclasses.MISSING:
                 default = field.default_factory()
             infos.append(
-                ParameterInfo(field.name, _type_name(hints.get(field.name, Any)), default, field.metadata.get("help", ""))
+                ParameterInfo(field.name, type_name(hints.get(field.name, Any)), default, field.metadata.get("help", ""))
             )
         return infos
 
@@ -181,21 +181,22 @@ def parse_value(raw: str, annotation: Any) -> Any:
             continue
     if annotation is Any:
         return raw
-    raise ConfigError(f"cannot read {raw!r} as {_type_name(annotation)}")
+    raise ConfigError(f"cannot read {raw!r} as {type_name(annotation)}")
 
 
 def _candidate_types(annotation: Any) -> list[Any]:
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
-        args = list(typing.get_args(annotation))
+        # A literal inside a union (`int | Literal["auto"]`) contributes its values' types.
+        args = [t for arg in typing.get_args(annotation) for t in _candidate_types(arg)]
         # Try None first, then int before float, so "3" parses as the narrower type it names.
-        return sorted(args, key=lambda t: {type(None): 0, bool: 1, int: 2, float: 3, str: 4}.get(t, 5))
+        return sorted(set(args), key=lambda t: {type(None): 0, bool: 1, int: 2, float: 3, str: 4}.get(t, 5))
     if origin is typing.Literal:
         return sorted({type(v) for v in typing.get_args(annotation)}, key=lambda t: t is str)
     return [annotation]
 
 
-def _check_type(what: str, value: Any, annotation: Any) -> None:
+def check_type(what: str, value: Any, annotation: Any) -> None:
     if annotation is Any:
         return
     origin = typing.get_origin(annotation)
@@ -204,21 +205,28 @@ def _check_type(what: str, value: Any, annotation: Any) -> None:
         if value not in allowed:
             raise ConfigError(f"{what} must be one of {list(allowed)}, got {value!r}")
         return
+    if origin in (typing.Union, types.UnionType):
+        literals = [arg for arg in typing.get_args(annotation) if typing.get_origin(arg) is typing.Literal]
+        others = [arg for arg in typing.get_args(annotation) if typing.get_origin(arg) is not typing.Literal]
+        if literals and any(value in typing.get_args(literal) for literal in literals):
+            return
+        if literals and isinstance(value, str) and str not in others:
+            raise ConfigError(f"{what} must be {type_name(annotation)}, got {value!r}")
     allowed_types = [t for t in _candidate_types(annotation) if isinstance(t, type)]
     if float in allowed_types and int not in allowed_types:
         allowed_types.append(int)
     ok = any(isinstance(value, t) and not (t is int and isinstance(value, bool) and bool not in allowed_types)
              for t in allowed_types)
     if not ok:
-        raise ConfigError(f"{what} must be {_type_name(annotation)}, got {value!r}")
+        raise ConfigError(f"{what} must be {type_name(annotation)}, got {value!r}")
 
 
-def _type_name(annotation: Any) -> str:
+def type_name(annotation: Any) -> str:
     if annotation is Any:
         return "any"
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(annotation))
+        return " | ".join(type_name(a) for a in typing.get_args(annotation))
     if origin is typing.Literal:
         return " | ".join(repr(v) for v in typing.get_args(annotation))
     if annotation is type(None):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -61,9 +63,12 @@ def test_non_utf8_prompt_file_is_a_usage_error(tmp_path: Path, capsys: pytest.Ca
     [
         (["--lossless", "--drafter", "zipkv"], "unknown compressor 'zipkv'"),
         (["--lossless", "--num-draft-tokens", "0"], "num_draft_tokens must be a positive integer"),
-        (["--lossless", "--num-draft-tokens", "lots"], "--num-draft-tokens must be a positive integer or 'auto'"),
+        (["--lossless", "--num-draft-tokens", "lots"], "argument --num-draft-tokens/--draft-length: expected int | 'auto'"),
         (["--num-draft-tokens", "4"], "need --lossless"),
-        (["--lossless", "--draft-length", "lots"], "--num-draft-tokens must be a positive integer or 'auto'"),
+        (["--lossless", "--draft-length", "lots"], "argument --num-draft-tokens/--draft-length: expected int | 'auto'"),
+        (["--lossless", "--schedule", "later"], "argument --schedule: expected 'staggered' | 'synchronous', got 'later'"),
+        (["--max-new-tokens", "many"], "argument --max-new-tokens: expected int, got 'many'"),
+        (["--max-new-tokens", "0"], "max_new_tokens must be at least 1"),
         (["--full-kv-tier", "tape"], "full KV tier must be memory, host, disk or emulated:GBPS"),
         (["--full-kv-tier", "emulated:0"], "positive bandwidth"),
         (["--prefix-salt", "tenant-a"], "need --prefix-store"),
@@ -173,3 +178,51 @@ def test_streamed_text_waits_for_a_complete_character_and_calls_back_once() -> N
     assert out.getvalue() == "a"
     stream(0, [3])
     assert out.getvalue() == "aé" and calls == [1]
+
+
+@pytest.mark.parametrize(
+    ("command", "config_path", "fields"),
+    [
+        ("generate", "kvlab.generation.config:GenerationConfig", "kvlab.cli.generate:GENERATION_FIELDS"),
+        ("generate", "kvlab.lossless.config:LosslessConfig", "kvlab.cli.generate:LOSSLESS_FIELDS"),
+        ("generate", "kvlab.store.prefix:PrefixConfig", "kvlab.cli.generate:PREFIX_FIELDS"),
+    ],
+)
+def test_flags_take_their_help_and_defaults_from_the_config_fields(
+    command: str, config_path: str, fields: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import dataclasses
+    import importlib
+
+    def load(path: str) -> Any:
+        module, name = path.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    config_class, names = load(config_path), load(fields)
+    assert main([command, "--help"]) == 0
+    text = "".join(capsys.readouterr().out.split())  # help wraps lines, also at hyphens
+    for field in dataclasses.fields(config_class):
+        if field.name in names:
+            assert "".join(field.metadata["help"].split()) in text, field.name
+            if field.default not in (None, False, (), dataclasses.MISSING):
+                assert f"(default:{field.default})" in text, field.name
+
+
+def test_demo_rejects_a_malformed_draft_length_as_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--prompt-file", "-", "--draft-length", "abc"]) == 2
+    assert "expected int | 'auto', got 'abc'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["gnerate"], []])
+def test_help_version_and_a_mistyped_command_answer_without_loading_torch(argv: list[str]) -> None:
+    import subprocess
+
+    code = (
+        "import sys\nfrom kvlab.cli import main\n"
+        f"status = main({argv!r})\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "sys.exit(status)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "torch was imported" not in result.stderr
+    assert result.returncode == (0 if argv in (["--help"], ["--version"]) else 2), result.stderr

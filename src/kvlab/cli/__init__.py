@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -15,35 +16,52 @@ from kvlab.threads import configure_wait_policy
 configure_wait_policy()
 
 from kvlab.cli.base import EXIT_OK, EXIT_RUNTIME_ERROR, EXIT_USAGE_ERROR, Command, add_subcommand
-from kvlab.cli.bench import BenchCommand
-from kvlab.cli.codec import CodecCommand
-from kvlab.cli.demo import DemoCommand
-from kvlab.cli.generate import GenerateCommand
-from kvlab.cli.ls import ListCommand
-from kvlab.cli.store import StoreCommand
 from kvlab.errors import ConfigError
 
-COMMANDS: tuple[type[Command], ...] = (
-    GenerateCommand, DemoCommand, ListCommand, CodecCommand, BenchCommand, StoreCommand
-)
+# name -> (module, class, help). A command's module (and with it torch and transformers) is imported
+# only when that command runs, so `kvlab --help`, `--version` and a mistyped command answer at once.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "generate": ("kvlab.cli.generate", "GenerateCommand", "generate a continuation of a prompt"),
+    "demo": (
+        "kvlab.cli.demo", "DemoCommand",
+        "decode questions about one long document with the full KV cache, a lossy cache, and losslessly",
+    ),
+    "ls": ("kvlab.cli.ls", "ListCommand", "list models, compressors, codecs, stores and tasks with their parameters"),
+    "codec": ("kvlab.cli.codec", "CodecCommand", "benchmark KV codecs, or encode/decode KV tensors saved as safetensors"),
+    "bench": (
+        "kvlab.cli.bench", "BenchCommand",
+        "benchmark methods on task quality and system cost; `kvlab bench report DIR` re-renders a report",
+    ),
+    "store": ("kvlab.cli.store", "StoreCommand", "list, read, write, verify and clear entries of a KV store"),
+    "serve": ("kvlab.cli.serve", "ServeCommand", "serve the model over an OpenAI-compatible HTTP API (continuous batching, lossless decoding)"),
+}
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
+def load_command(name: str) -> Command:
+    module_name, class_name, _ = COMMANDS[name]
+    command: Command = getattr(importlib.import_module(module_name), class_name)()
+    return command
+
+
+def build_parser(argv: Sequence[str] | None = None) -> tuple[argparse.ArgumentParser, dict[str, Command]]:
+    """The parser, with the arguments of the command `argv` names (None: of every command)."""
     parser = argparse.ArgumentParser(prog="kvlab", description="KV-cache compression you can trust.")
     parser.add_argument("--version", action="version", version=f"kvlab {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details and show tracebacks")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    wanted = set(COMMANDS) if argv is None else {word for word in argv if word in COMMANDS}
     commands = {}
-    for command_class in COMMANDS:
-        command = command_class()
-        subparser = add_subcommand(subparsers, command.name, command.help)
-        command.add_arguments(subparser)
-        commands[command.name] = command
+    for name, (_, _, help) in COMMANDS.items():
+        subparser = add_subcommand(subparsers, name, help)
+        if name in wanted:
+            commands[name] = load_command(name)
+            commands[name].add_arguments(subparser)
     return parser, commands
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser, commands = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser, commands = build_parser(argv)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from kvlab.errors import ConfigError
 
@@ -17,10 +17,8 @@ EXIT_USAGE_ERROR = 2
 
 
 class Command(abc.ABC):
-    """One `kvlab` verb: declares its arguments and runs with the parsed namespace."""
-
-    name: ClassVar[str]
-    help: ClassVar[str]
+    """One `kvlab` verb: declares its arguments and runs with the parsed namespace (its name and help
+    are in `kvlab.cli.COMMANDS`)."""
 
     @abc.abstractmethod
     def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
@@ -37,8 +35,17 @@ def add_subcommand(
     verbose = argparse.ArgumentParser(add_help=False)
     verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return subparsers.add_parser(  # type: ignore[no-any-return]
-        name, help=help, description=help, parents=[verbose], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        name, help=help, description=help, parents=[verbose], formatter_class=DefaultsHelpFormatter
     )
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default in its help, unless there is nothing to show (unset, off, empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, [], ()) or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def read_prompt_file(path: Path) -> str:

@@ -7,13 +7,15 @@ import textwrap
 from pathlib import Path
 
 from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json, read_prompt_file
+from kvlab.cli.flags import add_config_flags, given_values
 from kvlab.cli.progress import TokenProgress
 from kvlab.compress import compressors
-from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig
 from kvlab.lossless import LosslessConfig, LosslessOutput
 from kvlab.lossless.compare import compare_modes
 from kvlab.models import DEFAULT_MODEL, load_model
+
+DEMO_DEFAULTS = {"max_new_tokens": 48, "full_kv_tier": "emulated:0.5"}
 
 QUESTIONS = (
     "Summarize the text above in a few sentences.",
@@ -24,49 +26,41 @@ QUESTIONS = (
 
 
 class DemoCommand(Command):
-    name = "demo"
-    help = "decode questions about one long document with the full KV cache, a lossy cache, and losslessly"
-
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             "--prompt-file", type=Path, required=True, help="UTF-8 document, - reads stdin (chat template applied)"
         )
         parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file, model dir")
-        parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per question")
         parser.add_argument("--batch", type=int, default=4, choices=range(1, len(QUESTIONS) + 1), metavar="N",
                             help=f"questions about the document decoded together (1-{len(QUESTIONS)})")
-        parser.add_argument(
-            "--full-kv-tier", default="emulated:0.5", metavar="TIER",
-            help="where the full KV lives: emulated:GBPS (default emulated:0.5, a 0.5 GB/s link), host, disk, memory",
-        )
+        # A 0.5 GB/s link makes the full KV's bytes dominate a step, the setting lossless decoding is for.
+        add_config_flags(parser, GenerationConfig, ("max_new_tokens", "full_kv_tier"), defaults=DEMO_DEFAULTS)
         parser.add_argument("--compressor", default="snapkv", help="lossy cache, also the lossless drafter")
         parser.add_argument(
             "--compressor-arg", action="append", default=None, metavar="KEY=VALUE",
             help="compressor parameter (default: compression_ratio=0.9)",
         )
-        parser.add_argument("--num-draft-tokens", default="auto", help="tokens drafted per round, or 'auto'")
+        add_config_flags(
+            parser, LosslessConfig, ("num_draft_tokens",), flags={"num_draft_tokens": ["--num-draft-tokens", "--draft-length"]}
+        )
         add_json_flag(parser)
 
     def run(self, args: argparse.Namespace) -> int:
         document = read_prompt_file(args.prompt_file)
         compressor = compressors.create_from_strings(args.compressor, args.compressor_arg or ["compression_ratio=0.9"])
-        num_draft_tokens = args.num_draft_tokens
-        if num_draft_tokens != "auto":
-            try:
-                num_draft_tokens = int(num_draft_tokens)
-            except ValueError:
-                raise ConfigError(f"--num-draft-tokens must be a positive integer or 'auto', got {num_draft_tokens!r}") from None
-        lossless = LosslessConfig(compressor, num_draft_tokens)
-        config = GenerationConfig(max_new_tokens=args.max_new_tokens, full_kv_tier=args.full_kv_tier)
+        lossless = LosslessConfig(compressor, **given_values(args, LosslessConfig, ("num_draft_tokens",)))
+        config = GenerationConfig(
+            **{**DEMO_DEFAULTS, **given_values(args, GenerationConfig, ("max_new_tokens", "full_kv_tier"))}
+        )
         loaded = load_model(args.model)
         prompts = [loaded.encode_prompt(f"{document}\n\n{question}") for question in QUESTIONS[: args.batch]]
-        with TokenProgress(total=3 * args.batch * args.max_new_tokens, enabled=not args.json) as progress:
+        with TokenProgress(total=3 * args.batch * config.max_new_tokens, enabled=not args.json) as progress:
             results = compare_modes(loaded, prompts, config, compressor, lossless, progress.update)
         if args.json:
             print_json(
                 {
                     "prompt_tokens": [len(prompt) for prompt in prompts],
-                    "full_kv_tier": args.full_kv_tier,
+                    "full_kv_tier": config.full_kv_tier,
                     "modes": [
                         {
                             "mode": r.mode,
@@ -88,7 +82,7 @@ class DemoCommand(Command):
             return EXIT_OK
         print(
             f"{args.batch} questions about {args.prompt_file} ({len(prompts[0])} tokens each), decoded together; "
-            f"full KV on tier {args.full_kv_tier}; compressor {compressor.to_dict()}\n"
+            f"full KV on tier {config.full_kv_tier}; compressor {compressor.to_dict()}\n"
         )
         print(f"{'mode':<9} {'output':<24} {'decode tok/s':>12} {'vs full':>8} {'full KV read/token':>19}  acceptance")
         for result in results:

@@ -8,20 +8,23 @@ import sys
 from pathlib import Path
 
 from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json, read_prompt_file
+from kvlab.cli.flags import add_config_flags, given_values
 from kvlab.cli.progress import TextStream, TokenProgress
 from kvlab.compress import Compressor, compressors
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, GenerationOutput, generate
 from kvlab.lossless import LosslessConfig, LosslessOutput, generate_lossless
 from kvlab.models import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
-from kvlab.models.draft_weights import DRAFT_WEIGHTS
 from kvlab.store.prefix import PrefixCache, PrefixConfig
+
+GENERATION_FIELDS = (
+    "max_new_tokens", "temperature", "top_p", "seed", "stop_strings", "ignore_eos", "prefill_chunk_tokens", "full_kv_tier"
+)
+LOSSLESS_FIELDS = ("num_draft_tokens", "max_num_draft_tokens", "schedule", "draft_weights", "prefix_draft")
+PREFIX_FIELDS = ("chunk_tokens", "cache_salt")
 
 
 class GenerateCommand(Command):
-    name = "generate"
-    help = "generate a continuation of a prompt"
-
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         source = parser.add_mutually_exclusive_group(required=True)
         source.add_argument("--prompt", help="prompt text")
@@ -29,18 +32,8 @@ class GenerateCommand(Command):
         parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file, model dir or cached hub id")
         parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and KV dtype")
         parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
-        parser.add_argument("--max-new-tokens", type=int, default=256, help="upper limit on generated tokens")
         parser.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
-        parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-        parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-        parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
-        parser.add_argument("--stop", action="append", default=[], help="stop once the text contains this (repeatable)")
-        parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
-        parser.add_argument(
-            "--full-kv-tier", default="memory", metavar="TIER",
-            help="where the full KV lives while decoding: memory (default), host, disk (O_DIRECT reads), or "
-            "emulated:GBPS (reads pass a GBPS GB/s token bucket)",
-        )
+        add_config_flags(parser, GenerationConfig, GENERATION_FIELDS, flags={"stop_strings": ["--stop"]})
         parser.add_argument(
             "--compressor", help="decode from a KV cache compressed by this method (lossy; see `kvlab ls`)"
         )
@@ -53,26 +46,10 @@ class GenerateCommand(Command):
         )
         lossless = parser.add_argument_group("lossless speculative decoding (output identical to the full cache)")
         lossless.add_argument("--lossless", action="store_true", help="draft from a compressed cache, verify with the full one")
-        lossless.add_argument("--drafter", default="snapkv", help="compressor whose cache drafts (default snapkv)")
+        lossless.add_argument("--drafter", default="snapkv", help="compressor whose cache drafts")
         lossless.add_argument("--drafter-arg", action="append", default=[], metavar="KEY=VALUE", help="drafter parameter")
-        lossless.add_argument(
-            "--num-draft-tokens", "--draft-length", dest="num_draft_tokens", default="auto",
-            help="tokens drafted per round, or 'auto' (default: adapted per sequence)",
-        )
-        lossless.add_argument(
-            "--schedule",
-            default="staggered",
-            choices=("staggered", "synchronous"),
-            help="load a sequence's full KV while it drafts (staggered) or when it verifies",
-        )
-        lossless.add_argument(
-            "--prefix-draft", choices=("int8", "int4"),
-            help="with --prefix-store: draft from this low-bit copy of the stored prefix while the exact one "
-            "transfers (it is saved alongside the exact chunks)",
-        )
-        lossless.add_argument(
-            "--draft-weights", default="same", choices=DRAFT_WEIGHTS,
-            help="draft with the model itself or a bf16/int8-weight copy (verification stays exact)",
+        add_config_flags(
+            lossless, LosslessConfig, LOSSLESS_FIELDS, flags={"num_draft_tokens": ["--num-draft-tokens", "--draft-length"]}
         )
         reuse = parser.add_argument_group("prefix reuse through a KV store")
         reuse.add_argument(
@@ -80,13 +57,11 @@ class GenerateCommand(Command):
             help="restore the prompt's stored leading chunks from, and save new ones to, this store "
             "(memory://, file:///dir, redis://host:port/db)",
         )
-        reuse.add_argument("--prefix-chunk-tokens", type=int, default=256, help="tokens per stored chunk")
-        reuse.add_argument(
-            "--prefix-salt", metavar="TEXT",
-            help="namespace of this tenant's keys: other salts can neither read nor probe them (like cache_salt)",
+        add_config_flags(
+            reuse, PrefixConfig, PREFIX_FIELDS, flags={"chunk_tokens": ["--prefix-chunk-tokens"], "cache_salt": ["--prefix-salt"]}
         )
         reuse.add_argument(
-            "--prefix-resolutions", default="exact", metavar="NAMES",
+            "--prefix-resolutions", metavar="NAMES",
             help="comma-separated resolutions to save and fetch: exact (default, output identical), raw, int8, "
             "int4 (fetched when faster; int8/int4 change the output)",
         )
@@ -94,15 +69,7 @@ class GenerateCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         text = _read_prompt(args)
-        config = GenerationConfig(
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            seed=args.seed,
-            stop_strings=tuple(args.stop),
-            ignore_eos=args.ignore_eos,
-            full_kv_tier=args.full_kv_tier,
-        )
+        config = GenerationConfig(**given_values(args, GenerationConfig, GENERATION_FIELDS))
         compressor = _compressor(args)
         lossless = _lossless_config(args)
         prefix_config = _prefix_config(args)
@@ -132,40 +99,29 @@ class GenerateCommand(Command):
 
 
 def _prefix_config(args: argparse.Namespace) -> PrefixConfig | None:
+    given = given_values(args, PrefixConfig, PREFIX_FIELDS)
     if args.prefix_store is None:
-        if args.prefix_resolutions != "exact" or args.prefix_chunk_tokens != 256 or args.prefix_salt:
+        if given or args.prefix_resolutions is not None:
             raise ConfigError("--prefix-chunk-tokens, --prefix-resolutions and --prefix-salt need --prefix-store")
         return None
-    names = tuple(name.strip() for name in args.prefix_resolutions.split(",") if name.strip())
-    low_bit = (args.prefix_draft,) if args.prefix_draft and args.prefix_draft not in names else ()
-    return PrefixConfig(
-        chunk_tokens=args.prefix_chunk_tokens, write=names + low_bit, fetch=names, cache_salt=args.prefix_salt
-    )
+    names = tuple(name.strip() for name in (args.prefix_resolutions or "exact").split(",") if name.strip())
+    prefix_draft = getattr(args, "prefix_draft", None)
+    low_bit = (prefix_draft,) if prefix_draft and prefix_draft not in names else ()
+    return PrefixConfig(write=names + low_bit, fetch=names, **given)
 
 
 def _lossless_config(args: argparse.Namespace) -> LosslessConfig | None:
+    given = given_values(args, LosslessConfig, LOSSLESS_FIELDS)
     if not args.lossless:
-        if args.drafter_arg or args.num_draft_tokens != "auto" or args.draft_weights != "same" or args.prefix_draft:
-            raise ConfigError("--drafter-arg, --num-draft-tokens, --draft-weights and --prefix-draft need --lossless")
+        if args.drafter_arg or given:
+            flags = ", ".join(f"--{name.replace('_', '-')}" for name in ("drafter_arg", *LOSSLESS_FIELDS))
+            raise ConfigError(f"{flags} need --lossless")
         return None
-    if args.prefix_draft and not args.prefix_store:
+    if given.get("prefix_draft") and not args.prefix_store:
         raise ConfigError("--prefix-draft drafts from a stored prefix: add --prefix-store URL")
     if args.compressor is not None:
         raise ConfigError("--compressor decodes lossily; with --lossless choose the drafter with --drafter")
-    num_draft_tokens: int | str = args.num_draft_tokens
-    if num_draft_tokens != "auto":
-        try:
-            num_draft_tokens = int(num_draft_tokens)
-        except ValueError:
-            raise ConfigError(f"--num-draft-tokens must be a positive integer or 'auto', got {num_draft_tokens!r}") from None
-    drafter = compressors.create_from_strings(args.drafter, args.drafter_arg)
-    return LosslessConfig(
-        drafter,
-        num_draft_tokens,  # type: ignore[arg-type]
-        schedule=args.schedule,
-        draft_weights=args.draft_weights,
-        prefix_draft=args.prefix_draft,
-    )
+    return LosslessConfig(compressors.create_from_strings(args.drafter, args.drafter_arg), **given)
 
 
 def _compressor(args: argparse.Namespace) -> Compressor | None:

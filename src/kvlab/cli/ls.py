@@ -12,9 +12,6 @@ from kvlab.registry import all_registries
 
 
 class ListCommand(Command):
-    name = "ls"
-    help = "list models, compressors, codecs, stores and tasks with their parameters"
-
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         add_json_flag(parser)
 

@@ -1,4 +1,4 @@
-"""`kvlab store`: list, read, write and remove entries of a KV store given by its URL."""
+"""`kvlab store`: list, read, write, remove, verify and clear entries of a KV store given by its URL."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from kvlab.cli.base import EXIT_OK, EXIT_RUNTIME_ERROR, Command, add_json_flag, add_subcommand, print_json
 from kvlab.errors import ConfigError
@@ -17,9 +19,6 @@ URL_HELP = ("store URL: memory://, file:///absolute/dir, redis://[:PASSWORD@]hos
 
 
 class StoreCommand(Command):
-    name = "store"
-    help = "list, read, write and remove entries of a KV store (file://, redis://)"
-
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         verbs = parser.add_subparsers(dest="store_verb", required=True, metavar="VERB")
         ls = add_subcommand(verbs, "ls", "list keys with their sizes and the total")
@@ -40,9 +39,20 @@ class StoreCommand(Command):
         stats = add_subcommand(verbs, "stats", "number of keys and total bytes")
         stats.add_argument("url", help=URL_HELP)
         add_json_flag(stats)
+        verify = add_subcommand(
+            verbs, "verify", "open and decode every value (tags too, with KVLAB_STORE_SECRET); exit 1 if any fails"
+        )
+        verify.add_argument("url", help=URL_HELP)
+        verify.add_argument("--prefix", default="", help="only keys that start with this")
+        verify.add_argument("--delete", action="store_true", help="remove the values that fail")
+        add_json_flag(verify)
+        clear = add_subcommand(verbs, "clear", "remove every key (or every key under --prefix)")
+        clear.add_argument("url", help=URL_HELP)
+        clear.add_argument("--prefix", default="", help="only keys that start with this")
+        clear.add_argument("--yes", action="store_true", help="do not ask for confirmation (needed without a terminal)")
 
     def run(self, args: argparse.Namespace) -> int:
-        actions = {"ls": _ls, "put": _put, "get": _get, "rm": _rm, "stats": _stats}
+        actions = {"ls": _ls, "put": _put, "get": _get, "rm": _rm, "stats": _stats, "verify": _verify, "clear": _clear}
         # Only `put` may create a store: reading a mistyped path must not leave an empty one behind.
         store = create_store(args.url, create=args.store_verb == "put")
         try:
@@ -123,4 +133,49 @@ def _stats(store: KVStore, args: argparse.Namespace) -> int:
         print_json(stats)
         return EXIT_OK
     print(f"{store.url}: {stats['num_keys']} keys, {stats['total_bytes']} bytes")
+    return EXIT_OK
+
+
+def _verify(store: KVStore, args: argparse.Namespace) -> int:
+    from kvlab.store import ChunkSealer
+    from kvlab.store.verify import verify_store
+
+    keys = store.keys(args.prefix)
+    failed = []
+    with tqdm(total=len(keys), desc="verify", unit="value", disable=args.json or not sys.stderr.isatty()) as bar:
+        checks = list(verify_store(store, ChunkSealer.from_environment(), args.prefix, lambda _: bar.update()))
+    for check in checks:
+        if not check.ok:
+            failed.append(check)
+            if args.delete:
+                store.delete(check.key)
+    if args.json:
+        print_json({
+            "url": store.url,
+            "num_values": len(checks),
+            "num_failed": len(failed),
+            "deleted": args.delete,
+            "failed": [{"key": c.key, "bytes": c.nbytes, "problem": c.problem} for c in failed],
+        })
+    else:
+        for check in failed:
+            print(f"FAILED  {check.key}  ({check.nbytes} bytes): {check.problem}")
+        removed = f"; removed the {len(failed)} that failed" if args.delete and failed else ""
+        print(f"{len(checks)} values checked, {len(failed)} failed{removed}")
+    return EXIT_RUNTIME_ERROR if failed and not args.delete else EXIT_OK
+
+
+def _clear(store: KVStore, args: argparse.Namespace) -> int:
+    keys = store.keys(args.prefix)
+    what = f"{len(keys)} keys" + (f" under {args.prefix!r}" if args.prefix else "")
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise ConfigError(f"clearing {what} of {store.url} needs --yes when not run from a terminal")
+        answer = input(f"remove {what} from {store.url}? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing removed")
+            return EXIT_OK
+    for key in keys:
+        store.delete(key)
+    print(f"removed {len(keys)} keys from {store.url}")
     return EXIT_OK

@@ -10,33 +10,44 @@ from kvlab.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GenerationConfig:
-    """Decoding settings shared by plain, lossy and lossless generation.
+    """Decoding settings shared by plain, lossy and lossless generation (each field's help says what
+    it does; `kvlab generate` shows the same text)."""
 
-    Attributes:
-        max_new_tokens: Upper limit on generated tokens per prompt.
-        temperature: 0 selects greedy decoding; above 0 samples from softmax(logits / temperature).
-        top_p: Nucleus sampling: sample from the smallest set of tokens whose probability reaches top_p.
-        seed: Seed of the sampling generator (sampling is reproducible for a given seed and batch).
-        stop_strings: Generation of a row ends once its text contains one of these; the text is cut
-            before it (the token ids keep the token that completed it).
-        ignore_eos: Keep generating past end-of-sequence tokens (for fixed-length measurements).
-        prefill_chunk_tokens: Prefill the prompt in forwards cut at multiples of this many tokens
-            (None: one forward). A prefix store always prefills in its own chunks, so that a stored
-            chunk has exactly the bits recomputing it gives; set this to the store's chunk size to get
-            the same bits without a store.
-        full_kv_tier: Where the full KV lives while decoding: "memory", "host", "disk" or
-            "emulated:GBPS" (see `kvlab.cache.tiers`). Plain decoding reads it from there every step;
-            lossless decoding once per verify.
-    """
-
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_strings: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    prefill_chunk_tokens: int | None = None
-    full_kv_tier: str = "memory"
+    max_new_tokens: int = dataclasses.field(default=256, metadata={"help": "upper limit on generated tokens per prompt"})
+    temperature: float = dataclasses.field(
+        default=0.0, metadata={"help": "0 decodes greedily; above 0 samples from softmax(logits / temperature)"}
+    )
+    top_p: float = dataclasses.field(
+        default=1.0, metadata={"help": "nucleus sampling: sample from the smallest set of tokens whose mass reaches top_p"}
+    )
+    seed: int = dataclasses.field(
+        default=0, metadata={"help": "seed of the sampling generator (sampling is reproducible per seed and batch)"}
+    )
+    stop_strings: tuple[str, ...] = dataclasses.field(
+        default=(),
+        metadata={
+            "help": "end a row once its text contains this; the text is cut before it (the token ids keep the "
+            "token that completed it)"
+        },
+    )
+    ignore_eos: bool = dataclasses.field(
+        default=False, metadata={"help": "keep generating past end-of-sequence tokens (fixed-length measurements)"}
+    )
+    prefill_chunk_tokens: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "prefill the prompt in forwards cut at multiples of this many tokens (default: one forward); "
+            "a prefix store prefills in its own chunks, so set this to its chunk size to get the same bits without one"
+        },
+    )
+    full_kv_tier: str = dataclasses.field(
+        default="memory",
+        metadata={
+            "help": "where the full KV lives while decoding: memory, host (pinned, copied on a side stream), disk "
+            "(O_DIRECT reads) or emulated:GBPS (reads pass a GBPS GB/s token bucket); plain decoding reads it every "
+            "step, lossless decoding once per verify"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:

@@ -17,32 +17,46 @@ SCHEDULES: tuple[Schedule, ...] = ("staggered", "synchronous")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LosslessConfig:
-    """How to draft and verify (where the full KV lives is `GenerationConfig.full_kv_tier`).
+    """How to draft and verify (where the full KV lives is `GenerationConfig.full_kv_tier`; each
+    field's help says what it does, and `kvlab generate` shows the same text)."""
 
-    Attributes:
-        drafter: The compressor whose cache drafts (any registered method).
-        num_draft_tokens: Tokens drafted per round, or "auto": each sequence adapts its own to its
-            measured acceptance and the measured costs of draft and verify forwards.
-        max_num_draft_tokens: Upper bound of adaptive draft lengths.
-        schedule: "staggered" queues a sequence's full-KV load when its round starts, so the load
-            overlaps with drafting (its own and other sequences'); "synchronous" loads it when the
-            verify forward runs.
-        draft_weights: "same" drafts with the model itself (the paper's setting); "bf16" or "int8"
-            with a lower-precision copy, cheaper per step (verification always uses the exact model).
-        prefix_draft: With a prefix store: fetch the prefix at this low-bit resolution first and draft
-            from it while the bit-exact prefix transfers (`kvlab.lossless.remote_prefix`); None fetches
-            only the exact prefix.
-        prefix_draft_chunks: Low-bit chunks the drafter gets: the first one (attention sinks) and the
-            last ones, so the extra transfer stays small (None: every stored chunk).
-    """
-
-    drafter: Compressor
-    num_draft_tokens: int | Literal["auto"] = "auto"
-    max_num_draft_tokens: int = 64
-    schedule: Schedule = "staggered"
-    draft_weights: DraftWeights = "same"
-    prefix_draft: str | None = None
-    prefix_draft_chunks: int | None = 4
+    drafter: Compressor = dataclasses.field(metadata={"help": "the compressor whose cache drafts (any registered method)"})
+    num_draft_tokens: int | Literal["auto"] = dataclasses.field(
+        default="auto",
+        metadata={
+            "help": "tokens drafted per round, or auto: each sequence adapts its own to its measured acceptance "
+            "and the measured costs of draft and verify forwards"
+        },
+    )
+    max_num_draft_tokens: int = dataclasses.field(default=64, metadata={"help": "upper bound of adaptive draft lengths"})
+    schedule: Schedule = dataclasses.field(
+        default="staggered",
+        metadata={
+            "help": "staggered queues a sequence's full-KV load when its round starts, so it overlaps drafting; "
+            "synchronous loads it when the verify forward runs"
+        },
+    )
+    draft_weights: DraftWeights = dataclasses.field(
+        default="same",
+        metadata={
+            "help": "draft with the model itself (same) or a cheaper bf16/int8-weight copy; verification always "
+            "uses the exact model"
+        },
+    )
+    prefix_draft: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "with a prefix store: fetch the prefix at this low-bit resolution (int8, int4) first and draft "
+            "from it while the bit-exact prefix transfers"
+        },
+    )
+    prefix_draft_chunks: int | None = dataclasses.field(
+        default=4,
+        metadata={
+            "help": "low-bit chunks the drafter gets: the first (attention sinks) and the last ones, so the extra "
+            "transfer stays small (None: every stored chunk)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens != "auto" and (

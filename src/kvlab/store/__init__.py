@@ -4,12 +4,19 @@ from kvlab.store import file, memory, redis, redis_cluster
 from kvlab.store.auth import ChunkAuthError, ChunkSealer, load_secret
 from kvlab.store.base import KVStore, StoreUnavailableError, check_key, create_store, redact_url, stores
 from kvlab.store.keys import chunk_keys, fingerprint
+from kvlab.store.prefix import PrefixCache, PrefixConfig, PrefixSource
+from kvlab.store.verify import ValueCheck, check_value, verify_store
 
 __all__ = [
     "ChunkAuthError",
     "ChunkSealer",
     "KVStore",
+    "PrefixCache",
+    "PrefixConfig",
+    "PrefixSource",
     "StoreUnavailableError",
+    "ValueCheck",
+    "check_value",
     "check_key",
     "chunk_keys",
     "create_store",
@@ -21,4 +28,5 @@ __all__ = [
     "redis",
     "redis_cluster",
     "stores",
+    "verify_store",
 ]

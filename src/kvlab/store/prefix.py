@@ -40,34 +40,47 @@ logger = logging.getLogger("kvlab.store")
 
 @dataclasses.dataclass(frozen=True)
 class PrefixConfig:
-    """How prefixes are stored and fetched.
+    """How prefixes are stored and fetched (each field's help says what it does; `kvlab generate`
+    shows the same text)."""
 
-    Attributes:
-        chunk_tokens: Tokens per stored chunk (reuse works in whole chunks).
-        write: Resolutions written for every new chunk (empty: only read).
-        fetch: Resolutions the fetcher may use. Only bit-exact ones ("exact", "raw") keep output
-            identical to recomputation; "int8"/"int4" trade exactness for transfer time.
-        allow_recompute: Let the planner recompute chunks when that is faster than fetching them.
-        quality_slack: Relative cost under which a higher-quality resolution is preferred.
-        prior_bandwidth_bits: Link throughput assumed before the first transfer is measured.
-        prior_prefill_tokens_per_s: Recompute speed assumed before a prefill is measured.
-        retry_after_s: After the store is found unreachable, skip it for this long.
-        decode_workers: Chunks decoded at once (codecs release the GIL in zstd, numpy and torch).
-        cache_salt: Namespace of this deployment's or tenant's keys (like `cache_salt` of
-            OpenAI-compatible servers): prefixes are only shared between readers with the same salt,
-            and keys cannot be probed without it. None: the common namespace.
-    """
-
-    chunk_tokens: int = 256
-    write: tuple[str, ...] = ("exact",)
-    fetch: tuple[str, ...] = ("exact",)
-    allow_recompute: bool = True
-    quality_slack: float = 0.1
-    prior_bandwidth_bits: float = 1e9
-    prior_prefill_tokens_per_s: float = 500.0
-    retry_after_s: float = 30.0
-    decode_workers: int = 2
-    cache_salt: str | None = None
+    chunk_tokens: int = dataclasses.field(
+        default=256, metadata={"help": "tokens per stored chunk (reuse works in whole chunks)"}
+    )
+    write: tuple[str, ...] = dataclasses.field(
+        default=("exact",), metadata={"help": "resolutions written for every new chunk (empty: only read)"}
+    )
+    fetch: tuple[str, ...] = dataclasses.field(
+        default=("exact",),
+        metadata={
+            "help": "resolutions the fetcher may use; only bit-exact ones (exact, raw) keep output identical to "
+            "recomputation, int8/int4 trade exactness for transfer time"
+        },
+    )
+    allow_recompute: bool = dataclasses.field(
+        default=True, metadata={"help": "let the planner recompute chunks when that is faster than fetching them"}
+    )
+    quality_slack: float = dataclasses.field(
+        default=0.1, metadata={"help": "relative cost under which a higher-quality resolution is preferred"}
+    )
+    prior_bandwidth_bits: float = dataclasses.field(
+        default=1e9, metadata={"help": "link throughput (bit/s) assumed before the first transfer is measured"}
+    )
+    prior_prefill_tokens_per_s: float = dataclasses.field(
+        default=500.0, metadata={"help": "recompute speed assumed before a prefill is measured"}
+    )
+    retry_after_s: float = dataclasses.field(
+        default=30.0, metadata={"help": "after the store is found unreachable, skip it for this long"}
+    )
+    decode_workers: int = dataclasses.field(
+        default=2, metadata={"help": "chunks decoded at once (codecs release the GIL in zstd, numpy and torch)"}
+    )
+    cache_salt: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "namespace of this tenant's keys (like cache_salt of OpenAI-compatible servers): prefixes are "
+            "shared only between readers with the same salt, and keys cannot be probed without it"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
@@ -148,6 +161,9 @@ class PrefixCache:
         self._fetcher = PrefixFetcher(self.config, self.estimates, self.sealer, self.geometry, raw_bytes_per_token)
         self._writer = ChunkWriter()
         self._down_until = 0.0
+        # Keys whose value failed to open or decode: the next save of that chunk overwrites it, so one
+        # corrupted value costs one recompute, not one per later prompt.
+        self._rewrite: set[str] = set()
         warn_if_unauthenticated(self.sealer, store.url or type(store).__name__, store.shared)
 
     @classmethod
@@ -264,6 +280,9 @@ class PrefixCache:
             self._down_until = time.perf_counter() + self.config.retry_after_s
             retry = f"; not trying the store again for {self.config.retry_after_s:g} s"
         where = self.store.url or type(self.store).__name__
+        if fault.key is not None and not isinstance(error, StoreUnavailableError):
+            self._rewrite.add(fault.key)
+            retry += "; the chunk will be rewritten when recomputed"
         if fault.index < 0:
             logger.warning("prefix lookup in %s failed (%s); computing the whole prompt%s", where, stats.failure, retry)
             return
@@ -313,8 +332,12 @@ class PrefixCache:
             self.store.put(key, self.sealer.seal(key, encode_chunk(RESOLUTIONS[name], keys, values)))
 
     def _stored_intact(self, key: str) -> bool:
-        """Whether `key` holds a value worth keeping: any value without a secret (values are write-once),
-        only one whose tag verifies with it (so a planted value is replaced, not kept forever)."""
+        """Whether `key` holds a value worth keeping: not one a fetch found broken; any other value
+        without a secret (values are write-once); with one, only a value whose tag verifies (so a
+        planted value is replaced, not kept forever)."""
+        if key in self._rewrite:
+            self._rewrite.discard(key)
+            return False
         if not self.sealer.authenticated:
             return self.store.contains(key)
         stored = self.store.get(key)

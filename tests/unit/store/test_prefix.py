@@ -226,6 +226,24 @@ def test_corrupted_chunk_is_recomputed(model: LoadedModel, caplog: pytest.LogCap
     check_fallback(model, prefix, caplog, reused=CHUNK)
 
 
+def test_a_corrupted_chunk_is_named_in_the_warning_and_rewritten(
+    model: LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = filled_store(model)
+    prefix = make_cache(model, store)
+    key = prefix.keys(PROMPT, "exact")[1]
+    good = store.get(key)
+    store.put(key, b"not a chunk at all")
+    check_fallback(model, prefix, caplog, reused=CHUNK)
+    assert key in caplog.records[-1].getMessage() and "rewritten" in caplog.records[-1].getMessage()
+    prefix.flush()
+    assert store.get(key) == good  # the recomputed chunk replaced the broken value (same bits)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvlab.store"):
+        _, logits, reused = restored(model, PROMPT, make_cache(model, store))
+    assert reused == 4 * CHUNK and not caplog.records
+
+
 def test_store_failing_mid_fetch_is_recomputed(model: LoadedModel, caplog: pytest.LogCaptureFixture) -> None:
     prefix = make_cache(model, FaultyStore(filled_store(model), healthy_reads=3))
     check_fallback(model, prefix, caplog, reused=3 * CHUNK)

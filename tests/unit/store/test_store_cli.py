@@ -1,4 +1,4 @@
-"""`kvlab store`: ls, put, get, rm and stats against file:// and redis:// stores."""
+"""`kvlab store`: ls, put, get, rm, stats, verify and clear against file:// and redis:// stores."""
 
 from __future__ import annotations
 
@@ -124,3 +124,63 @@ def test_reading_a_mistyped_file_store_is_a_usage_error_and_creates_nothing(
     assert main(["store", verb, f"file://{typo}"]) == 2
     assert "no store at" in capsys.readouterr().err
     assert not (tmp_path / "no").exists()
+
+
+def _filled_prefix_store(url: str) -> list[str]:
+    """Keys of the chunks a tiny model's prefill saved to `url`."""
+    from kvlab.generation.prefill import prefill
+    from kvlab.store.prefix import PrefixCache, PrefixConfig
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama(num_kv_heads=2, seed=3)
+    prompt = [(7 * i + 3) % 90 + 3 for i in range(50)]
+    prefix = PrefixCache.for_model(model, url, PrefixConfig(chunk_tokens=16, allow_recompute=False))
+    prefill(model, [prompt], 64, prefix=prefix)
+    prefix.close()
+    return prefix.keys(prompt, "exact")
+
+
+def test_verify_finds_the_broken_value_and_delete_removes_only_it(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keys = _filled_prefix_store(url)
+    assert main(["store", "verify", url]) == 0
+    assert "3 values checked, 0 failed" in capsys.readouterr().out
+    from kvlab.store import create_store
+
+    store = create_store(url)
+    store.put(keys[1], (store.get(keys[1]) or b"")[:-9])
+    store.close()
+    assert main(["store", "verify", url, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_values"] == 3 and [entry["key"] for entry in report["failed"]] == [keys[1]]
+    assert "truncated" in report["failed"][0]["problem"]
+    assert main(["store", "verify", url, "--delete"]) == 0
+    assert "removed the 1 that failed" in capsys.readouterr().out
+    assert main(["store", "ls", url, "--json"]) == 0
+    assert sorted(row["key"] for row in json.loads(capsys.readouterr().out)["keys"]) == sorted([keys[0], keys[2]])
+
+
+def test_clear_asks_for_yes_without_a_terminal_then_removes_everything(
+    url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _put(url, "a-1", b"x", tmp_path)
+    _put(url, "b-1", b"y", tmp_path)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert main(["store", "clear", url]) == 2
+    assert "needs --yes" in capsys.readouterr().err
+    assert main(["store", "clear", url, "--prefix", "a-", "--yes"]) == 0
+    assert "removed 1 keys" in capsys.readouterr().out
+    assert main(["store", "clear", url, "--yes"]) == 0
+    assert "removed 1 keys" in capsys.readouterr().out
+    assert main(["store", "stats", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_keys"] == 0
+
+
+@pytest.mark.parametrize("verb", ["verify", "clear"])
+def test_verify_and_clear_of_a_missing_store_are_usage_errors_and_create_nothing(
+    verb: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "no" / "such" / "store"
+    assert main(["store", verb, f"file://{missing}", *(["--yes"] if verb == "clear" else [])]) == 2
+    assert not missing.parent.exists()
