@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -47,6 +47,8 @@ class QuantizedCodec(Codec):
     )
 
     lossless = "codes"
+    # Whether `iter_token_codes` decodes token by token (the base decodes the whole chunk first).
+    decodes_by_token: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,7 +1,8 @@
-"""Chunk-by-chunk restoration of a frame from a stream, with a bounded buffer (KVCodec's fetcher).
+"""Chunk-by-chunk (or token-by-token) restoration of a frame from a stream, with a bounded buffer.
 
 Only one chunk's payload and its decoded tensor are held at a time, so the buffer is bounded by the
-largest chunk, not by the frame: for SmolLM2-135M's 30 layers, a 256-token fp16 chunk of keys is
+largest chunk, not by the frame (KVCodec's fetcher; codecs that decode token by token restore each
+token as it is decoded and hold a few video frames instead of a decoded chunk): for SmolLM2-135M's 30 layers, a 256-token fp16 chunk of keys is
 2.9 MB decoded. Each chunk's checksum is verified before it is decoded; a stream that is corrupted
 further on raises `CodecError` after the earlier chunks were restored.
 """
@@ -64,13 +65,18 @@ class StreamDecoder:
             raise CodecError(f"frame has a chunk of {largest} bytes, above the {max_chunk_bytes}-byte buffer")
 
     def restore(
-        self, out: torch.Tensor | None = None, on_chunk: Callable[[int, int], None] | None = None
+        self, out: torch.Tensor | None = None, on_chunk: Callable[[int, int], None] | None = None,
+        by_token: bool = False,
     ) -> torch.Tensor:
         """Decode every chunk into `out` (allocated when None) and return it.
 
         Args:
             out: Contiguous tensor of the frame's shape and dtype to restore into.
-            on_chunk: Called as `on_chunk(tokens_restored, total_tokens)` after each chunk.
+            on_chunk: Called as `on_chunk(tokens_restored, total_tokens)` after each chunk (after each
+                token with `by_token`).
+            by_token: Restore each token as soon as it is decoded, for codecs that decode token by
+                token (`QuantizedCodec.restore_by_token`): the buffer then holds a few video frames,
+                not a decoded chunk. Other codecs restore chunk by chunk.
 
         Raises:
             ConfigError: `out` does not match the frame.
@@ -87,10 +93,17 @@ class StreamDecoder:
         for index, ((start, end), shape) in enumerate(zip(bounds, chunk_shapes(header))):
             payload = self._read_exact(header.chunk_sizes[index], f"chunk {index}")
             framing.check_chunk(index, payload, header.chunk_crcs[index])
-            self.codec.decode_into([payload], [tokens[:, start:end]])
-            self.peak_buffer_bytes = max(self.peak_buffer_bytes, len(payload) + math.prod(shape) * itemsize)
-            if on_chunk is not None:
-                on_chunk(end, tokens.shape[1])
+            restore_by_token = getattr(self.codec, "restore_by_token", None)
+            if by_token and getattr(self.codec, "decodes_by_token", False) and restore_by_token is not None:
+                total = tokens.shape[1]
+                on_token = None if on_chunk is None else (lambda token: on_chunk(start + token + 1, total))
+                held = restore_by_token(payload, tokens[:, start:end], on_token)
+            else:
+                self.codec.decode_into([payload], [tokens[:, start:end]])
+                held = math.prod(shape) * itemsize
+                if on_chunk is not None:
+                    on_chunk(end, tokens.shape[1])
+            self.peak_buffer_bytes = max(self.peak_buffer_bytes, len(payload) + held)
         if self._source.read(1):
             raise CodecError("extended frame: bytes follow the last chunk")
         return out

@@ -58,6 +58,8 @@ class VideoCodesCodec(QuantizedCodec):
         default=True, metadata={"help": "decode each chunk after encoding it and fail unless the codes match"}
     )
 
+    decodes_by_token = True
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.format not in videoio.FORMATS:

@@ -28,6 +28,11 @@ class FetchStats:
         failure: Why the fetch stopped early, if it did.
         failed_key: The store key of the chunk it stopped at (None: it stopped at the lookup, or did not stop).
         faults: Faults met (0 or 1: the first one ends the fetch); `PrefixCache.fault_counts` sums them by kind.
+        peak_decode_buffer_bytes: Most bytes one chunk's decoding held besides its output, for chunks
+            restored token by token (`resolution.decode_chunk_by_token`); 0 when none was.
+        token_restored_chunks: Chunks restored token by token.
+        restore_overlap: Summed over those chunks, the share of each decode during which restored
+            tokens were already in place (divide by `token_restored_chunks` for the mean).
     """
 
     stored_tokens: int = 0
@@ -40,6 +45,9 @@ class FetchStats:
     failure: str | None = None
     failed_key: str | None = None
     faults: int = 0
+    peak_decode_buffer_bytes: int = 0
+    token_restored_chunks: int = 0
+    restore_overlap: float = 0.0
 
 
 @dataclasses.dataclass(slots=True)

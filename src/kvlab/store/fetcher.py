@@ -25,12 +25,12 @@ from kvlab.store.auth import ChunkSealer
 from kvlab.store.base import KVStore
 from kvlab.store.fetched import FetchedPrefix
 from kvlab.store.planner import RECOMPUTE, ResolutionCost, plan_chunks
-from kvlab.store.resolution import RESOLUTIONS, ChunkGeometry, decode_chunk
+from kvlab.store.resolution import RESOLUTIONS, ChunkGeometry, TokenRestore, decode_chunk, decode_chunk_by_token
 
 if TYPE_CHECKING:
     from kvlab.store.prefix import PrefixConfig
 
-_Decoded = tuple[torch.Tensor, torch.Tensor, float]
+_Decoded = tuple[torch.Tensor, torch.Tensor, float, TokenRestore | None]
 _Arrival = tuple[int, str, "Future[_Decoded] | None", int, float]
 """A transferred chunk: index, resolution, its decoding (None: the store had nothing), bytes, seconds."""
 
@@ -50,9 +50,8 @@ class Estimates:
     def __init__(self, config: PrefixConfig) -> None:
         self.bandwidth = config.prior_bandwidth_bits / 8
         self.prefill_tokens_per_s = config.prior_prefill_tokens_per_s
-        self.ratio = {name: resolution.nominal_ratio for name, resolution in RESOLUTIONS.items()}
-        # Decode seconds per raw byte; priors measured on 2 CPU threads (byteplane ~650 MB/s).
-        self.decode_s_per_byte = {"raw": 1 / 4e9, "exact": 1 / 6.5e8, "int8": 1 / 4e8, "int4": 1 / 4e8}
+        self.bits_per_value = {name: r.nominal_bits_per_value for name, r in RESOLUTIONS.items()}
+        self.decode_s_per_value = {name: 1 / r.decode_values_per_s for name, r in RESOLUTIONS.items()}
         self.lock = threading.Lock()
 
     @staticmethod
@@ -64,11 +63,14 @@ class Estimates:
             with self.lock:
                 self.bandwidth = self._blend(self.bandwidth, nbytes / seconds)
 
-    def observe_decode(self, resolution: str, raw_bytes: int, stored_bytes: int, seconds: float) -> None:
-        if raw_bytes > 0 and stored_bytes > 0 and seconds > 0:
+    def observe_decode(self, resolution: str, num_values: int, stored_bytes: int, seconds: float) -> None:
+        """A chunk of `num_values` KV values (keys and values) came in `stored_bytes` and decoded in `seconds`."""
+        if num_values > 0 and stored_bytes > 0 and seconds > 0:
             with self.lock:
-                self.decode_s_per_byte[resolution] = self._blend(self.decode_s_per_byte[resolution], seconds / raw_bytes)
-                self.ratio[resolution] = self._blend(self.ratio[resolution], raw_bytes / stored_bytes)
+                self.decode_s_per_value[resolution] = self._blend(self.decode_s_per_value[resolution],
+                                                                  seconds / num_values)
+                self.bits_per_value[resolution] = self._blend(self.bits_per_value[resolution],
+                                                              8 * stored_bytes / num_values)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
@@ -91,7 +93,8 @@ class PrefixFetcher:
 
     def plan(self, available: list[list[str]], allow_recompute: bool) -> list[str]:
         """Resolutions for the chunks whose stored resolutions `available` lists, from the current estimates."""
-        chunk_bytes = self.raw_bytes_per_token * self.config.chunk_tokens
+        # raw_bytes_per_token counts fp32 bytes: 4 per KV value.
+        chunk_values = self.raw_bytes_per_token * self.config.chunk_tokens / 4
         with self.estimates.lock:
             bandwidth = self.estimates.bandwidth
             options = [
@@ -99,8 +102,8 @@ class PrefixFetcher:
                     ResolutionCost(
                         name,
                         RESOLUTIONS[name].quality,
-                        chunk_bytes / self.estimates.ratio[name],
-                        chunk_bytes * self.estimates.decode_s_per_byte[name] / self.config.decode_workers,
+                        chunk_values * self.estimates.bits_per_value[name] / 8,
+                        chunk_values * self.estimates.decode_s_per_value[name] / self.config.decode_workers,
                     )
                     for name in here
                 ]
@@ -188,13 +191,17 @@ class PrefixFetcher:
             if decoding is None:
                 return _fault(KeyError(f"chunk {index} ({name}) vanished from the store"), index, key)
             try:
-                keys_tensor, values_tensor, decode_s = decoding.result()
+                keys_tensor, values_tensor, decode_s, token_restore = decoding.result()
             except Exception as error:  # noqa: BLE001 - any fault while decoding: recompute from here
                 return Fault(error, index, key)
             stats.decode_s += decode_s
+            if token_restore is not None:
+                stats.peak_decode_buffer_bytes = max(stats.peak_decode_buffer_bytes, token_restore.peak_buffer_bytes)
+                stats.token_restored_chunks += 1
+                stats.restore_overlap += token_restore.restore_overlap
             stats.nbytes += nbytes
             stats.resolutions[name] = stats.resolutions.get(name, 0) + 1
-            self.estimates.observe_decode(name, keys_tensor.numel() * 8, nbytes, decode_s)  # keys + values at 4 bytes
+            self.estimates.observe_decode(name, keys_tensor.numel() + values_tensor.numel(), nbytes, decode_s)
             fetched.chunks.append((keys_tensor, values_tensor))
             fetched.starts.append(index * self.config.chunk_tokens)
         return None
@@ -206,11 +213,17 @@ class PrefixFetcher:
             CodecError: The tag, a frame or the values are not what this reader accepts.
         """
         clock = time.perf_counter()
-        keys, values = decode_chunk(RESOLUTIONS[name], self.sealer.open(key, data), self.geometry)
+        resolution, opened = RESOLUTIONS[name], self.sealer.open(key, data)
+        token_restore = None
+        if resolution.decodes_by_token:
+            # Video-coded codes restore frame by frame: the buffer holds a few frames, not a decoded chunk.
+            keys, values, token_restore = decode_chunk_by_token(resolution, opened, self.geometry)
+        else:
+            keys, values = decode_chunk(resolution, opened, self.geometry)
         for tensor in (keys, values):
             if not torch.isfinite(tensor).all():
                 raise CodecError("stored chunk holds NaN or Inf")
-        return keys, values, time.perf_counter() - clock
+        return keys, values, time.perf_counter() - clock, token_restore
 
 
 def _fault(error: BaseException, index: int, key: str | None) -> Fault:

@@ -13,12 +13,15 @@ reader's model needs before anything is allocated (`kvlab.store.auth` adds authe
 from __future__ import annotations
 
 import dataclasses
+import io
 import struct
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from kvlab.codec import Codec, CodecError, ExpectedFrame, Lossless, create_codec
+from kvlab.codec import Codec, CodecError, ExpectedFrame, Lossless, StreamDecoder, codecs, create_codec
 from kvlab.errors import ConfigError
 
 _MAGIC = b"KVPC"
@@ -59,18 +62,27 @@ class Resolution:
         codec: Registered codec name.
         params: Codec parameters shared by keys and values (`kind` is set per tensor).
         quality: Higher is closer to the original; the fetcher prefers it when time allows.
-        nominal_ratio: fp32 bytes over stored bytes, a prior until sizes are measured.
+        nominal_bits_per_value: Stored bits per KV value of an fp32 model, metadata included: the
+            fetcher's prior until it has measured the chunks it fetched.
+        decode_values_per_s: KV values one decode worker restores per second, the prior of decode
+            time (measured on 2 shared CPU cores; the fetcher replaces it with what it measures).
     """
 
     name: str
     codec: str
     params: tuple[tuple[str, Any], ...]
     quality: int
-    nominal_ratio: float
+    nominal_bits_per_value: float
+    decode_values_per_s: float
 
     @property
     def lossless(self) -> Lossless:
         return self.key_codec().lossless
+
+    @property
+    def decodes_by_token(self) -> bool:
+        """Whether chunks restore token by token as they decode (video-coded codes)."""
+        return bool(getattr(self.key_codec(), "decodes_by_token", False))
 
     @property
     def exact(self) -> bool:
@@ -88,7 +100,7 @@ class Resolution:
 
     def _codec(self, kind: str) -> Codec:
         params = dict(self.params)
-        if self.codec == "quant_zstd":
+        if any(parameter.name == "kind" for parameter in codecs.parameters(self.codec)):
             params["kind"] = kind
         return create_codec(self.codec, **params)
 
@@ -97,10 +109,16 @@ RESOLUTIONS: dict[str, Resolution] = {
     resolution.name: resolution
     for resolution in (
         # The raw fp32 bytes: the "plain transfer" baseline of the prefix-reuse benchmark.
-        Resolution("raw", "raw", (), quality=3, nominal_ratio=1.0),
-        Resolution("exact", "byteplane", (), quality=3, nominal_ratio=1.19),
-        Resolution("int8", "quant_zstd", (("bits", 8),), quality=2, nominal_ratio=3.9),
-        Resolution("int4", "quant_zstd", (("bits", 4),), quality=1, nominal_ratio=7.6),
+        Resolution("raw", "raw", (), quality=5, nominal_bits_per_value=32.0, decode_values_per_s=1e9),
+        Resolution("exact", "byteplane", (), quality=5, nominal_bits_per_value=26.9, decode_values_per_s=1.6e8),
+        Resolution("int8", "quant_zstd", (("bits", 8),), quality=4, nominal_bits_per_value=8.2, decode_values_per_s=1e8),
+        Resolution("int4", "quant_zstd", (("bits", 4),), quality=3, nominal_bits_per_value=4.2, decode_values_per_s=1e8),
+        # KVCodec's operating point: low-bit codes coded by lossless HEVC (NVDEC where available).
+        *(
+            Resolution(f"int{bits}-video", "video_codes", (("bits", bits),), quality=bits - 1,
+                       nominal_bits_per_value=bits_per_value, decode_values_per_s=1e7)
+            for bits, bits_per_value in ((4, 4.9), (3, 3.9), (2, 2.9))
+        ),
     )
 }
 
@@ -151,3 +169,60 @@ def split_chunk(data: bytes | memoryview) -> tuple[memoryview, memoryview]:
         raise CodecError("stored chunk has a bad header (not a kvlab prefix chunk, or truncated)")
     view = memoryview(data)
     return view[_HEADER.size : _HEADER.size + key_length], view[_HEADER.size + key_length :]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenRestore:
+    """How one chunk was restored token by token.
+
+    Attributes:
+        peak_buffer_bytes: Most bytes held besides the output: the frame payload being decoded and
+            the codec's own buffer (a few video frames and the quantization metadata).
+        first_token_s: Seconds until the first token of the keys was restored.
+        decode_s: Seconds until the last token of the values was restored.
+    """
+
+    peak_buffer_bytes: int
+    first_token_s: float
+    decode_s: float
+
+    @property
+    def restore_overlap(self) -> float:
+        """Share of the decode during which restored tokens were already in place (0: chunk by chunk)."""
+        return 1.0 - self.first_token_s / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def decode_chunk_by_token(
+    resolution: Resolution, data: bytes | memoryview, geometry: ChunkGeometry | None = None,
+    clock: Callable[[], float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, TokenRestore]:
+    """`decode_chunk`, restoring each token as soon as it is decoded; with the buffer and timing it took.
+
+    Codecs that do not decode token by token restore chunk by chunk here (their overlap is 0).
+    """
+    now = clock or time.perf_counter
+    expected = None if geometry is None else geometry.expected_frame()
+    view = memoryview(data)
+    if len(view) < _HEADER.size:
+        raise CodecError(f"stored chunk of {len(view)} bytes is shorter than its header")
+    magic, key_length = _HEADER.unpack_from(view)
+    if magic != _MAGIC or key_length > len(view) - _HEADER.size:
+        raise CodecError("stored chunk has a bad header (not a kvlab prefix chunk, or truncated)")
+    start = now()
+    first: list[float] = []
+
+    def on_token(restored: int, total: int) -> None:
+        if not first:
+            first.append(now() - start)
+
+    tensors, peak = [], 0
+    for frame, codec in ((view[_HEADER.size : _HEADER.size + key_length], resolution.key_codec()),
+                         (view[_HEADER.size + key_length :], resolution.value_codec())):
+        decoder = StreamDecoder(io.BytesIO(frame), expected=expected)
+        codec.check_header(decoder.header)
+        tensors.append(decoder.restore(on_chunk=on_token, by_token=True))
+        peak = max(peak, decoder.peak_buffer_bytes)
+    if tensors[0].shape != tensors[1].shape:
+        raise CodecError(f"stored chunk holds keys {tuple(tensors[0].shape)} but values {tuple(tensors[1].shape)}")
+    elapsed = now() - start
+    return tensors[0], tensors[1], TokenRestore(peak, first[0] if first else elapsed, elapsed)
