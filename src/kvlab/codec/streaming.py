@@ -9,6 +9,7 @@ further on raises `CodecError` after the earlier chunks were restored.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import BinaryIO
@@ -95,8 +96,7 @@ class StreamDecoder:
             framing.check_chunk(index, payload, header.chunk_crcs[index])
             restore_by_token = getattr(self.codec, "restore_by_token", None)
             if by_token and getattr(self.codec, "decodes_by_token", False) and restore_by_token is not None:
-                total = tokens.shape[1]
-                on_token = None if on_chunk is None else (lambda token: on_chunk(start + token + 1, total))
+                on_token = None if on_chunk is None else functools.partial(_report_token, on_chunk, start, tokens.shape[1])
                 held = restore_by_token(payload, tokens[:, start:end], on_token)
             else:
                 self.codec.decode_into([payload], [tokens[:, start:end]])
@@ -113,3 +113,7 @@ class StreamDecoder:
         if data is None or len(data) != size:
             raise CodecError(f"truncated frame: the stream ends inside the {what}")
         return bytes(data)
+
+
+def _report_token(on_chunk: Callable[[int, int], None], start: int, total: int, token: int) -> None:
+    on_chunk(start + token + 1, total)
