@@ -47,6 +47,7 @@ def resolve(
         # OpenAI's API samples differently every time unless a seed is given.
         seed=secrets.randbits(63) if body.seed is None else body.seed,
         stop_strings=body.stop_strings,
+        ignore_eos=body.kvlab.ignore_eos,
         prefill_chunk_tokens=serve.prefill_chunk_tokens,
     )
     options = body.kvlab

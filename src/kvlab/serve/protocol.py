@@ -33,6 +33,7 @@ class KvlabOptions(BaseModel):
         drafter: Compressor name (see `kvlab ls`); `drafter_args` its parameters.
         draft_length: Tokens drafted per round, or "auto" (`num_draft_tokens` in kvlab's code).
         cache_salt: Prefix-store namespace: only requests with the same salt share stored prefixes.
+        ignore_eos: Keep generating past end-of-sequence tokens (fixed-length measurements).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -41,6 +42,7 @@ class KvlabOptions(BaseModel):
     drafter_args: dict[str, int | float | bool | str] | None = None
     draft_length: int | Literal["auto"] | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
+    ignore_eos: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> KvlabOptions:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import sys
 
 import uvicorn
@@ -52,6 +53,9 @@ def run_server(config: ServeConfig, verbose: bool = False) -> int:
         file=sys.stderr,
         flush=True,
     )
+    # Uvicorn re-raises the signal that stopped it once it has shut down, under the handler found at
+    # start: an ignoring one makes a graceful SIGTERM end in exit status 0 (Ctrl-C still exits 130).
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
         server.run()
     finally:
