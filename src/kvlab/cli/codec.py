@@ -12,7 +12,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from kvlab.bench.codec import DEFAULT_CASES, CodecBenchStats, bench_codecs, collect_kv
+from kvlab.bench.codec import DEFAULT_CASES, bench_codecs, collect_kv
+from kvlab.bench.codec.report import codec_table
 from kvlab.cli.base import EXIT_OK, Command, add_json_flag, add_subcommand, print_json
 from kvlab.cli.progress import TokenProgress
 from kvlab.codec import DEFAULT_MAX_DECODED_BYTES, CodecError, ExpectedFrame, codecs, decode_frame
@@ -32,6 +33,13 @@ class CodecCommand(Command):
         bench.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file, model dir or cached hub id")
         bench.add_argument("--context", type=int, default=4096, help="tokens of the bundled document to prefill")
         bench.add_argument("--codecs", default="", help="comma-separated codec names to run (default: all rows)")
+        bench.add_argument("--rate-fidelity", action="store_true",
+                           help="every code-lossless coder x bit width, the entropy bound and task fidelity, with a plot")
+        bench.add_argument("--bits", default="8,4,3,2", help="code widths of --rate-fidelity")
+        bench.add_argument("--samples-per-task", type=int, default=2,
+                           help="prompts per task for --rate-fidelity's task columns (0: skip them)")
+        bench.add_argument("--plot", type=Path, default=Path("codec_rate_fidelity.png"),
+                           help="PNG written by --rate-fidelity")
         add_json_flag(bench)
         encode = add_subcommand(verbs, "encode", "encode every tensor of a safetensors file into codec frames")
         encode.add_argument("input", type=Path, help="safetensors file of float tensors (e.g. keys, values)")
@@ -60,6 +68,10 @@ class CodecCommand(Command):
 def _bench(args: argparse.Namespace) -> int:
     if args.context < 1:
         raise ConfigError(f"--context must be at least 1, got {args.context}")
+    if args.rate_fidelity:
+        from kvlab.cli.codec_rate import rate_fidelity_command
+
+        return rate_fidelity_command(args)
     selected = [name.strip() for name in args.codecs.split(",") if name.strip()]
     for name in selected:
         codecs.get(name)
@@ -77,20 +89,8 @@ def _bench(args: argparse.Namespace) -> int:
                     "results": [dataclasses.asdict(result) for result in results]})
         return EXIT_OK
     print(f"{loaded.name}: keys and values {list(keys.shape)} each, fp16, {2 * 2 * keys.numel() / 1e6:.1f} MB")
-    print(_table(results))
+    print(codec_table(results))
     return EXIT_OK
-
-
-def _table(results: list[CodecBenchStats]) -> str:
-    header = f"{'codec':<26} {'bits/value':>10} {'vs fp16':>8} {'enc MB/s':>9} {'dec MB/s':>9} {'lossless':<10} " \
-             f"{'verified':<8} {'max abs err':>11}"
-    lines = [header, "-" * len(header)]
-    for r in results:
-        lines.append(
-            f"{r.label:<26} {r.bits_per_value:>10.3f} {r.reduction_vs_fp16:>7.3f}x {r.encode_mb_s:>9.1f} "
-            f"{r.decode_mb_s:>9.1f} {r.lossless:<10} {'yes' if r.verified else 'NO':<8} {r.max_abs_error:>11.3g}"
-        )
-    return "\n".join(lines)
 
 
 def _encode(args: argparse.Namespace) -> int:

@@ -60,6 +60,7 @@ class CodecBenchStats:
     encode_mb_s: float  # MB (1e6 bytes) of fp16 input per second
     decode_mb_s: float
     max_abs_error: float
+    rms_error: float  # root mean square of decoded - input over every value
 
 
 def collect_kv(loaded: LoadedModel, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +94,7 @@ def bench_codecs(
 
 
 def _bench_case(case: BenchCase, keys: torch.Tensor, values: torch.Tensor) -> CodecBenchStats:
-    encoded_bytes, encode_s, decode_s, max_error, verified = 0, 0.0, 0.0, 0.0, True
+    encoded_bytes, encode_s, decode_s, max_error, squared_error, verified = 0, 0.0, 0.0, 0.0, 0.0, True
     lossless: Lossless = "lossy"
     for kind, tensor in (("keys", keys), ("values", values)):
         params = dict(case.params)
@@ -107,7 +108,9 @@ def _bench_case(case: BenchCase, keys: torch.Tensor, values: torch.Tensor) -> Co
         decode_s += seconds
         verified &= bool((integer_view(decoded) == integer_view(codec.reconstruct(tensor))).all())
         if tensor.numel():
-            max_error = max(max_error, float((decoded.float() - tensor.float()).abs().max()))
+            error = decoded.float() - tensor.float()
+            max_error = max(max_error, float(error.abs().max()))
+            squared_error += float(error.square().sum())
     num_values = keys.numel() + values.numel()
     fp16_mb = 2 * num_values / 1e6
     return CodecBenchStats(
@@ -123,6 +126,7 @@ def _bench_case(case: BenchCase, keys: torch.Tensor, values: torch.Tensor) -> Co
         encode_mb_s=fp16_mb / max(encode_s, 1e-9),
         decode_mb_s=fp16_mb / max(decode_s, 1e-9),
         max_abs_error=max_error,
+        rms_error=(squared_error / max(num_values, 1)) ** 0.5,
     )
 
 
