@@ -1,14 +1,13 @@
 """Benchmark methods (the rows of the matrix) and the one function that runs a method on prompts.
 
 A method is full KV, a lossy compressor decoding from its compressed cache, or a lossless method
-(speculative decoding that drafts from a compressed cache and verifies with the full one). Each
-kind maps to an engine function in `ENGINES`: adding a kind of row is one function and one entry.
+(speculative decoding that drafts from a compressed cache and verifies with the full one). Full KV and
+lossy rows decode with `generate`, lossless rows with `generate_lossless`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any, Literal
 
 from kvlab.compress import Compressor, EvictionCompressor, compressors
@@ -17,6 +16,7 @@ from kvlab.generation import GenerationConfig, GenerationOutput, generate
 from kvlab.generation.outputs import ProgressCallback
 from kvlab.lossless import LosslessConfig, generate_lossless
 from kvlab.models import LoadedModel
+from kvlab.store.prefix import PrefixSource
 
 MethodKind = Literal["full", "lossy", "lossless"]
 METHOD_KINDS: tuple[str, ...] = ("full", "lossy", "lossless")
@@ -80,6 +80,10 @@ def lossy(label: str, name: str, **params: Any) -> BenchMethod:
     return BenchMethod(label, "lossy", {"name": name, **params})
 
 
+def lossless(label: str, name: str, **params: Any) -> BenchMethod:
+    return BenchMethod(label, "lossless", {"name": name, **params})
+
+
 # Rows with a short name, usable as `--methods kivi-2 snapkv-50`; the benchmark paper's settings.
 CATALOG: dict[str, BenchMethod] = {
     method.label: method
@@ -93,10 +97,14 @@ CATALOG: dict[str, BenchMethod] = {
         lossy("snapkv-75", "snapkv", compression_ratio=0.75),
         lossy("cam-50", "cam", compression_ratio=0.5),
         lossy("cam-75", "cam", compression_ratio=0.75),
+        lossy("snapkv_agnostic-75", "snapkv_agnostic", compression_ratio=0.75),
         lossy("streamingllm-75", "streamingllm", compression_ratio=0.75),
         lossy("h2o-75", "h2o", compression_ratio=0.75),
-        BenchMethod("lossless-kivi-2", "lossless", {"name": "kivi", "bits": 2}),
-        BenchMethod("lossless-snapkv-75", "lossless", {"name": "snapkv", "compression_ratio": 0.75}),
+        lossless("lossless-kivi-2", "kivi", bits=2),
+        lossless("lossless-turboquant-3", "turboquant", bits=3),
+        lossless("lossless-snapkv-75", "snapkv", compression_ratio=0.75),
+        lossless("lossless-snapkv_agnostic-75", "snapkv_agnostic", compression_ratio=0.75),
+        lossless("lossless-streamingllm-75", "streamingllm", compression_ratio=0.75),
     )
 }
 
@@ -163,35 +171,30 @@ def expand_ratios(methods: tuple[BenchMethod, ...], ratios: tuple[float, ...]) -
     return tuple(expanded.values())
 
 
-Engine = Callable[[LoadedModel, BenchMethod, list[list[int]], GenerationConfig, ProgressCallback | None], GenerationOutput]
-
-
 def _run_plain(
     loaded: LoadedModel,
-    method: BenchMethod,
+    compressor: Compressor | None,
     prompts: list[list[int]],
     config: GenerationConfig,
     on_progress: ProgressCallback | None,
+    prefix: PrefixSource | None,
 ) -> GenerationOutput:
-    return generate(loaded, prompts, config, on_progress=on_progress, compressor=method.build_compressor())
+    return generate(loaded, prompts, config, on_progress=on_progress, compressor=compressor, prefix=prefix)
 
 
 def _run_lossless(
     loaded: LoadedModel,
-    method: BenchMethod,
+    drafter: Compressor | None,
     prompts: list[list[int]],
     config: GenerationConfig,
     on_progress: ProgressCallback | None,
+    prefix: PrefixSource | None,
+    num_draft_tokens: int | None = None,
 ) -> GenerationOutput:
     """Lossless speculative decoding (VeriCache): draft from the compressed cache, verify with the full one."""
-    drafter = method.build_compressor()
     assert drafter is not None  # BenchMethod guarantees a compressor for lossless methods
-    lossless_config = LosslessConfig(drafter=drafter, num_draft_tokens=method.num_draft_tokens or "auto")
-    return generate_lossless(loaded, prompts, config, lossless_config, on_progress=on_progress)
-
-
-# One engine per method kind: the extension point for new kinds of rows.
-ENGINES: dict[str, Engine] = {"full": _run_plain, "lossy": _run_plain, "lossless": _run_lossless}
+    lossless_config = LosslessConfig(drafter=drafter, num_draft_tokens=num_draft_tokens or "auto")
+    return generate_lossless(loaded, prompts, config, lossless_config, on_progress=on_progress, prefix=prefix)
 
 
 def run_method(
@@ -200,6 +203,17 @@ def run_method(
     prompts: list[list[int]],
     config: GenerationConfig,
     on_progress: ProgressCallback | None = None,
+    compressor: Compressor | None = None,
+    prefix: PrefixSource | None = None,
 ) -> GenerationOutput:
-    """Generate from `prompts` with `method`; texts, token ids and stats as plain generation returns them."""
-    return ENGINES[method.kind](loaded, method, prompts, config, on_progress)
+    """Generate from `prompts` with `method`; texts, token ids and stats as plain generation returns them.
+
+    Args:
+        compressor: The compressor to use instead of the one `method` builds (a task may adapt it,
+            e.g. compress only what an earlier turn compressed); ignored for full KV.
+        prefix: Restore and save prompt prefixes in this store (shared-context tasks).
+    """
+    chosen = None if method.kind == "full" else compressor or method.build_compressor()
+    if method.kind == "lossless":
+        return _run_lossless(loaded, chosen, prompts, config, on_progress, prefix, method.num_draft_tokens)
+    return _run_plain(loaded, chosen, prompts, config, on_progress, prefix)

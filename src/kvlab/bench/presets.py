@@ -103,10 +103,34 @@ CURVES = Preset(
     ratios=CURVE_RATIOS,
 )
 
+# SCBench's question: a cache compressed for the first question, reused for the next ones. Query-aware
+# (SnapKV) against query-agnostic compression (StreamingLLM, KIVI, TurboQuant, SnapKV with a generic
+# window), each also as the drafter of lossless decoding.
+MULTITURN = Preset(
+    description="4 questions in turn about each of 3 SQuAD articles (2K tokens), the context compressed once at "
+    "the first question and reused through a prefix store: SnapKV vs query-agnostic compressors, lossy and as drafters",
+    tasks=({"name": "multiturn_squad", "context_tokens": 2048, "num_turns": 4, "max_new_tokens": 16},),
+    methods=(
+        "full",
+        "snapkv-75",
+        "snapkv_agnostic-75",
+        "streamingllm-75",
+        "kivi-2",
+        "turboquant-3",
+        "lossless-snapkv-75",
+        "lossless-snapkv_agnostic-75",
+        "lossless-streamingllm-75",
+        "lossless-kivi-2",
+        "lossless-turboquant-3",
+    ),
+    samples=12,
+    models=(DEFAULT_MODEL, SECOND_MODEL),
+)
+
 # `kvlab bench` without --preset runs this one (and says so in its output and report).
 DEFAULT_PRESET = "smoke"
 
-PRESETS: dict[str, Preset] = {"smoke": SMOKE, "paper": PAPER, "curves": CURVES}
+PRESETS: dict[str, Preset] = {"smoke": SMOKE, "paper": PAPER, "curves": CURVES, "multiturn": MULTITURN}
 
 
 def preset(name: str) -> Preset:

@@ -19,18 +19,24 @@ import torch
 from kvlab.bench import results
 from kvlab.bench.config import BenchConfig
 from kvlab.bench.methods import FULL_LABEL, BenchMethod, run_method
+from kvlab.bench.multiturn import compressor_for_turn
 from kvlab.bench.summary import median_stats, summarize_cell
 from kvlab.bench.system import code_revision, environment_record, git_revision, track_peak_memory
 from kvlab.bench.tasks import Sample, Task, TaskData, tasks
+from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig
 from kvlab.lossless import LosslessOutput
 from kvlab.models import LoadedModel, load_model
+from kvlab.store.prefix import PrefixCache, PrefixConfig, PrefixSource
 
 logger = logging.getLogger(__name__)
 
 WARMUP_PROMPT_TOKENS = 64
 WARMUP_NEW_TOKENS = 2
+# Chunk size of a shared-context cell's prefix store: a turn reuses the earlier turns' tokens in whole
+# chunks, and prefill runs in forwards cut at chunk boundaries.
+SHARED_CONTEXT_CHUNK_TOKENS = 128
 
 
 class BenchCallbacks:
@@ -181,16 +187,20 @@ def run_cell(
     records = [record for record in stored if record["id"] in wanted]
     done = {record["id"] for record in records}
     generation = GenerationConfig(max_new_tokens=item.task.generation_length, stop_strings=item.task.stop_strings)
-    for sample, prompt in zip(item.data.samples, item.prompts):
-        if sample.id in done:
-            continue
-        if method.label not in warmed:
-            warm_up(loaded, method, prompt)
-            warmed.add(method.label)
-        record = measure_sample(loaded, method, item.task, sample, prompt, generation, config.repeats)
-        results.append_prediction(predictions, record)
-        records.append(record)
-        callbacks.on_sample()
+    with _shared_context_store(loaded, item.task) as prefix:
+        for sample, prompt in zip(item.data.samples, item.prompts):
+            if sample.id in done:
+                continue
+            if method.label not in warmed:
+                warm_up(loaded, method, prompt)
+                warmed.add(method.label)
+            run = SampleRun(method, _turn_compressor(item, method, sample, prompt), prefix)
+            record = measure_sample(loaded, run, item.task, sample, prompt, generation, config.repeats)
+            if prefix is not None:
+                prefix.flush()  # the next turn reuses what this one saved
+            results.append_prediction(predictions, record)
+            records.append(record)
+            callbacks.on_sample()
     full_records = records if method.label == FULL_LABEL else _full_records(out, model, item.name)
     header = {
         "model": model,
@@ -208,9 +218,43 @@ def run_cell(
     return metrics
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SampleRun:
+    """How one sample is generated: its row, the compressor it runs with, the prefix store it reuses."""
+
+    method: BenchMethod
+    compressor: Compressor | None = None
+    prefix: PrefixSource | None = None
+
+
+@contextlib.contextmanager
+def _shared_context_store(loaded: LoadedModel, task: Task) -> Iterator[PrefixCache | None]:
+    """An in-memory prefix store for a shared-context task's cell (None for other tasks), closed after."""
+    if not task.shared_context:
+        yield None
+        return
+    prefix = PrefixCache.for_model(loaded, "memory://", PrefixConfig(chunk_tokens=SHARED_CONTEXT_CHUNK_TOKENS))
+    try:
+        yield prefix
+    finally:
+        prefix.close()
+
+
+def _turn_compressor(item: PreparedTask, method: BenchMethod, sample: Sample, prompt: list[int]) -> Compressor | None:
+    """The method's compressor; for a later turn of a conversation, one that keeps turn 1's compression."""
+    compressor = method.build_compressor()
+    if not item.task.shared_context:
+        return compressor
+    document = sample.extra["document"]
+    first = next(
+        p for s, p in zip(item.data.samples, item.prompts) if s.extra["document"] == document and s.extra["turn"] == 1
+    )
+    return compressor_for_turn(compressor, first, prompt)
+
+
 def measure_sample(
     loaded: LoadedModel,
-    method: BenchMethod,
+    run: SampleRun,
     task: Task,
     sample: Sample,
     prompt: list[int],
@@ -218,10 +262,11 @@ def measure_sample(
     repeats: int,
 ) -> dict[str, Any]:
     """Generate `repeats` times (median timings), score the output, and return the sample's record."""
+    method = run.method
     runs, outputs, lossless_stats = [], [], []
     with track_peak_memory(loaded.device) as peak:
         for _ in range(repeats):
-            output = run_method(loaded, method, [prompt], generation)
+            output = run_method(loaded, method, [prompt], generation, compressor=run.compressor, prefix=run.prefix)
             outputs.append(output.requests[0])
             runs.append(dataclasses.asdict(output.stats))
             lossless_stats.append(output.lossless if isinstance(output, LosslessOutput) else None)
@@ -230,6 +275,7 @@ def measure_sample(
         logger.warning("%s/%s: repeated greedy runs gave different outputs", method.label, sample.id)
     return {
         "id": sample.id,
+        "turn": sample.extra.get("turn"),
         "prediction": request.text,
         "token_ids": request.token_ids,
         "stop_reason": request.stop_reason,

@@ -66,6 +66,25 @@ def system_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
+def per_turn(records: Sequence[dict[str, Any]], full_records: Sequence[dict[str, Any]], metric: str) -> dict[str, Any]:
+    """Shared-context tasks: quality and fidelity per turn, `{turn: {quality, output_exact_match, ...}}`.
+
+    Empty for tasks whose records carry no turn.
+    """
+    turns = sorted({record["turn"] for record in records if record.get("turn") is not None})
+    summary: dict[str, Any] = {}
+    for turn in turns:
+        mine = [record for record in records if record.get("turn") == turn]
+        figures = fidelity(mine, full_records)
+        summary[str(turn)] = {
+            "quality": statistics.fmean(record["scores"].get(metric, 0.0) for record in mine),
+            "output_exact_match": figures["output_exact_match"],
+            "matched_prefix": figures["matched_prefix"],
+            "num_samples": len(mine),
+        }
+    return summary
+
+
 def summarize_cell(
     records: Sequence[dict[str, Any]],
     full_records: Sequence[dict[str, Any]],
@@ -82,4 +101,5 @@ def summarize_cell(
         "quality": quality,
         "fidelity": fidelity(records, full_records),
         "system": system_summary(records),
+        "per_turn": per_turn(records, full_records, primary_metric),
     }

@@ -58,8 +58,24 @@ def test_inconsistent_specs_are_refused() -> None:
         BenchMethod("x", "lossy", {"name": "kivi"}, num_draft_tokens=4)
 
 
-def test_every_method_kind_has_an_engine() -> None:
-    assert set(methods.ENGINES) == set(methods.METHOD_KINDS)
+def test_ratio_sweep_expands_eviction_and_merging_rows_only() -> None:
+    rows = (CATALOG["full"], CATALOG["snapkv-50"], CATALOG["snapkv-75"], CATALOG["cam-50"], CATALOG["kivi-2"],
+            CATALOG["lossless-snapkv-75"])  # fmt: skip
+    labels = [row.label for row in methods.expand_ratios(rows, (0.25, 0.875))]
+    assert labels == ["full", "snapkv-25", "snapkv-87.5", "cam-25", "cam-87.5", "kivi-2", "lossless-snapkv-75"]
+    swept = methods.expand_ratios(rows, (0.875,))[1]
+    assert swept.compressor is not None and swept.compressor["compression_ratio"] == 0.875
+    assert methods.expand_ratios(rows, ()) == rows
+
+
+def test_ratios_outside_zero_one_are_rejected() -> None:
+    with pytest.raises(ConfigError, match="in \\(0, 1\\)"):
+        methods.expand_ratios((CATALOG["snapkv-50"],), (1.0,))
+
+
+def test_catalog_labels_match_their_ratio_labels() -> None:
+    # The README's tables and `kvlab bench` name a swept row and a catalog row alike.
+    assert methods.ratio_label("snapkv", 0.75) == "snapkv-75" and "snapkv-75" in CATALOG
 
 
 @pytest.mark.parametrize("label", ["lossless-kivi-2", "lossless-snapkv-75"])

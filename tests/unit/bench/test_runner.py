@@ -20,6 +20,12 @@ TASKS = (
 )
 
 
+@pytest.fixture(autouse=True)
+def fixed_revision(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The working tree may change while a test runs (the digest of uncommitted changes with it).
+    monkeypatch.setattr(runner, "code_revision", lambda: "revision-a")
+
+
 @pytest.fixture(scope="module")
 def tiny() -> dict[str, LoadedModel]:
     return {"tiny": tiny_llama()}
@@ -152,3 +158,11 @@ def test_prompts_longer_than_the_model_context_are_refused_before_running(
 def test_bad_configs_are_config_errors(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         _config(Path("unused"), **overrides)
+
+
+def test_cells_of_other_code_are_never_reused(tmp_path: Path, tiny: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch) -> None:
+    config = _config(tmp_path, samples=1, tasks=TASKS[:1], warmup=False)
+    run_benchmark(config, loaded_models=tiny)
+    monkeypatch.setattr(runner, "code_revision", lambda: "revision-b")
+    with pytest.raises(ConfigError, match="code_revision differ: the code changed since"):
+        run_benchmark(config, loaded_models=tiny)

@@ -31,6 +31,7 @@ TASK_PARAMS: dict[str, dict[str, Any]] = {
     "humaneval": {},
     "bfcl": {},
     "math500": {},
+    "multiturn_squad": {"context_tokens": 256, "num_turns": 2},
 }
 # Tested with a fixture file of its own format below (its data is not shipped in a package).
 USER_DATA_TASKS = {"longbench"}
@@ -46,6 +47,7 @@ def _bfcl_call(sample: Sample) -> str:
 PERFECT_ANSWER: dict[str, Callable[[Sample], str]] = {
     "hotpotqa": lambda s: s.references[0],
     "squad": lambda s: s.references[0],
+    "multiturn_squad": lambda s: s.references[0],
     "niah": lambda s: " ".join(s.references),
     "variable_tracking": lambda s: ", ".join(s.references),
     "xsum": lambda s: s.references[0],

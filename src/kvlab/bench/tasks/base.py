@@ -69,6 +69,9 @@ class Task(abc.ABC):
         data_package: PyPI package whose files hold the data (None: the user provides files).
         default_max_new_tokens: Generation length when the task is not given `max_new_tokens`.
         scorer: Whose definition of the metrics `score()` follows (recorded with every cell's results).
+        shared_context: Samples are turns of conversations over one document (`extra["document"]`,
+            `extra["turn"]` from 1, turn 1 first): the runner compresses each document once, at turn 1,
+            and reuses it through a prefix store (`kvlab.bench.multiturn`).
     """
 
     category: ClassVar[str]
@@ -77,6 +80,7 @@ class Task(abc.ABC):
     data_package: ClassVar[str | None] = None
     default_max_new_tokens: ClassVar[int] = 32
     stop_strings: ClassVar[tuple[str, ...]] = ()
+    shared_context: ClassVar[bool] = False
     registry_name: ClassVar[str]
 
     max_new_tokens: int | None = dataclasses.field(
