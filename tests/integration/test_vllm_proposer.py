@@ -1,0 +1,164 @@
+"""KVLabDraftProposer: drafts are the compressed-cache model's greedy tokens, kept per sequence across
+reordered rows; inside a real vLLM engine (in .venv-vllm) output equals plain greedy decoding."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvlab.compress import create_compressor
+from kvlab.errors import ConfigError
+from kvlab.generation import GenerationConfig, generate
+from kvlab.integrations.vllm.proposer import DRAFTER_ENV, KVLabDraftProposer, drafter_from_environment
+from kvlab.models import LoadedModel
+from tests.conftest import tiny_llama
+
+NUM_SPECULATIVE_TOKENS = 4
+MAX_MODEL_LEN = 256
+
+
+def vllm_config(num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS) -> Any:
+    """The parts of a VllmConfig the proposer reads."""
+    return types.SimpleNamespace(
+        speculative_config=types.SimpleNamespace(num_speculative_tokens=num_speculative_tokens),
+        model_config=types.SimpleNamespace(model="unused", dtype="float32", max_model_len=MAX_MODEL_LEN),
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return tiny_llama(num_kv_heads=2, seed=11)
+
+
+def proposer_for(model: LoadedModel, drafter: str = "snapkv", **params: Any) -> KVLabDraftProposer:
+    proposer = KVLabDraftProposer(vllm_config(), create_compressor(drafter, **params))
+    proposer.model = model  # what load_model loads from the served checkpoint
+    return proposer
+
+
+def batch(histories: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """vLLM's (num_tokens_no_spec [rows], token_ids_cpu [rows, max_model_len]) for these histories."""
+    token_ids = np.zeros((len(histories) + 2, MAX_MODEL_LEN), dtype=np.int32)
+    for row, history in enumerate(histories):
+        token_ids[row, : len(history)] = history
+    return np.array([len(h) for h in histories] + [0, 0]), token_ids
+
+
+def greedy_continuation(model: LoadedModel, history: list[int], num_tokens: int) -> list[int]:
+    config = GenerationConfig(max_new_tokens=num_tokens, ignore_eos=True)
+    return generate(model, [history], config).requests[0].token_ids
+
+
+PROMPTS = [[(3 * i + 5) % 90 + 3 for i in range(40)], [(11 * i + 1) % 90 + 3 for i in range(33)]]
+
+
+def test_a_drafter_that_keeps_everything_drafts_the_greedy_continuation(tiny: LoadedModel) -> None:
+    proposer = proposer_for(tiny, "snapkv", compression_ratio=0.0)
+    lengths, token_ids = batch(PROMPTS)
+    drafts = proposer.propose([[p[-1]] for p in PROMPTS], lengths, token_ids)
+    for row, prompt in enumerate(PROMPTS):
+        assert drafts[row] == greedy_continuation(tiny, prompt, NUM_SPECULATIVE_TOKENS), f"row {row}"
+
+
+def test_sequences_are_found_again_by_prefix_when_rows_are_reordered(tiny: LoadedModel) -> None:
+    proposer = proposer_for(tiny, "snapkv", compression_ratio=0.0)
+    lengths, token_ids = batch(PROMPTS)
+    first = proposer.propose([[p[-1]] for p in PROMPTS], lengths, token_ids)
+    # vLLM accepted two drafts of row 0 and none of row 1 (plus a bonus token each), then swapped the rows.
+    grown = [PROMPTS[1] + [7], PROMPTS[0] + first[0][:2] + [9]]
+    lengths, token_ids = batch(grown)
+    drafts = proposer.propose([[7], first[0][:2] + [9]], lengths, token_ids)
+    assert proposer.stats.num_prefills == 2, "a kept sequence was prefilled again"
+    assert proposer.stats.num_catch_up_tokens == 2 + 1 + 3, "each step feeds only the tokens vLLM accepted"
+    assert drafts == [greedy_continuation(tiny, history, NUM_SPECULATIVE_TOKENS) for history in grown]
+
+
+def test_rows_without_sampled_tokens_or_at_the_length_limit_get_no_drafts(tiny: LoadedModel) -> None:
+    proposer = proposer_for(tiny, "snapkv", compression_ratio=0.5)
+    long_history = [5] * (MAX_MODEL_LEN - 2)
+    lengths, token_ids = batch([PROMPTS[0], long_history, PROMPTS[1]])
+    drafts = proposer.propose([[], [5], [PROMPTS[1][-1]]], lengths, token_ids)
+    assert drafts[0] == [] and drafts[1] == [] and len(drafts[2]) == NUM_SPECULATIVE_TOKENS
+    assert proposer.stats.num_prefills == 1
+
+
+def test_a_compressing_drafter_still_drafts_from_its_own_cache(tiny: LoadedModel) -> None:
+    proposer = proposer_for(tiny, "streamingllm", budget=16)
+    lengths, token_ids = batch(PROMPTS[:1])
+    drafts = proposer.propose([[PROMPTS[0][-1]]], lengths, token_ids)
+    assert len(drafts[0]) == NUM_SPECULATIVE_TOKENS
+    stored_keys, _ = proposer.sequences[0].cache.layers[0].stored(0)
+    # The compressed prompt plus the last token, fed after compression; the drafts' KV was dropped.
+    assert stored_keys.shape[-2] == 16 + 1 < len(PROMPTS[0])
+
+
+def test_a_prompt_shorter_than_the_budget_drafts_from_a_full_cache(tiny: LoadedModel) -> None:
+    proposer = proposer_for(tiny, "snapkv", budget=1000)
+    lengths, token_ids = batch(PROMPTS[:1])
+    drafts = proposer.propose([[PROMPTS[0][-1]]], lengths, token_ids)
+    assert drafts[0] == greedy_continuation(tiny, PROMPTS[0], NUM_SPECULATIVE_TOKENS)
+
+
+def test_the_drafter_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DRAFTER_ENV, '{"name": "streamingllm", "budget": 64}')
+    assert drafter_from_environment().to_dict()["budget"] == 64
+    monkeypatch.setenv(DRAFTER_ENV, "snapkv")
+    with pytest.raises(ConfigError, match=DRAFTER_ENV):
+        drafter_from_environment()
+    monkeypatch.setenv(DRAFTER_ENV, '{"name": "nope"}')
+    with pytest.raises(ConfigError, match="unknown compressor"):
+        drafter_from_environment()
+
+
+# ----- inside a vLLM engine (.venv-vllm)
+
+
+@pytest.fixture(scope="module")
+def spec_engine() -> Any:
+    pytest.importorskip("vllm", reason="the vLLM integration tests run in .venv-vllm (make test-vllm)")
+    from tests.integration.vllm.engines import make_engine
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(DRAFTER_ENV, '{"name": "snapkv", "budget": 64}')
+        llm = make_engine(speculative_config={"method": "custom_class", "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+                                              "model": "kvlab.integrations.vllm.KVLabDraftProposer"},
+                          disable_log_stats=False)
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.mark.integration
+def test_vllm_drafting_with_a_kvlab_compressor_keeps_greedy_output(spec_engine: Any) -> None:
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvlab.data import document_token_ids
+    from kvlab.integrations.vllm.model import model_directory, transformers_model
+
+    document = document_token_ids(AutoTokenizer.from_pretrained(model_directory()), 300)
+    prompts = [document[:160], document[160:260]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outputs = spec_engine.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    reference = transformers_model(model_directory(), "float32")
+    expected = generate(reference, prompts, GenerationConfig(max_new_tokens=24, ignore_eos=True))
+    for row, (output, wanted) in enumerate(zip(outputs, expected.requests)):
+        assert list(output.outputs[0].token_ids) == wanted.token_ids, f"prompt {row} decoded differently"
+    proposer = proposer_of(spec_engine)
+    assert proposer.stats.num_prefills == 2 and proposer.stats.num_draft_tokens > 0
+    accepted = spec_decode_counter(spec_engine, "vllm:spec_decode_num_accepted_tokens")
+    assert accepted > 0, "vLLM accepted none of the drafts"
+
+
+def proposer_of(engine: Any) -> KVLabDraftProposer:
+    """The proposer inside an in-process engine (the engine core runs in this process in the tests)."""
+    runner = engine.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    assert isinstance(runner.drafter, KVLabDraftProposer)
+    return runner.drafter
+
+
+def spec_decode_counter(engine: Any, name: str) -> int:
+    return int(sum(metric.value for metric in engine.get_metrics() if metric.name == name))
