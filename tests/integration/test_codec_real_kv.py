@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvlab.bench.codec import collect_kv
+from kvlab.bench.codec.fidelity import task_fidelity
 from kvlab.cli import main
 from kvlab.codec import StreamDecoder, create_codec
 from kvlab.codec.layouts import integer_view
@@ -73,3 +75,36 @@ def test_bench_command_prints_json_rows(capsys: pytest.CaptureFixture[str]) -> N
     assert set(rows) == {"raw", "quant_zstd 8-bit", "quant_zstd 4-bit", "quant_zstd 2-bit"}
     assert all(row["verified"] for row in rows.values())
     assert rows["raw"]["max_abs_error"] == 0.0 and rows["quant_zstd 4-bit"]["lossless"] == "codes"
+
+
+@pytest.mark.parametrize("video_format", ["hevc", "ffv1"])
+def test_video_coded_codes_of_real_kv_come_back_identical(
+    video_format: str, real_kv: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    for kind, tensor in zip(("keys", "values"), real_kv):
+        layers = tensor[:4]
+        codec = create_codec("video_codes", kind=kind, bits=2, format=video_format, hardware="never")
+        decoded = codec.decode(codec.encode(layers))
+        assert (integer_view(decoded) == integer_view(codec.reconstruct(layers))).all(), f"{video_format} {kind}"
+
+
+def test_rate_fidelity_command_reports_every_coder_the_bound_and_a_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plot = tmp_path / "rate.png"
+    argv = ["codec", "bench", "--rate-fidelity", "--context", "64", "--bits", "2", "--samples-per-task", "0",
+            "--plot", str(plot), "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {row["codec"] for row in report["results"]} == {"quant_zstd", "cachegen", "video_codes"}
+    assert all(row["verified"] and row["reduction_vs_fp16"] > 1 for row in report["results"])
+    assert [bound["bits"] for bound in report["bounds"]] == [2] and report["fidelity"] == []
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_task_fidelity_decodes_from_a_prefix_restored_through_the_store(embedded_model: LoadedModel) -> None:
+    specs = (("variable_tracking", {"context_tokens": 300}),)
+    (row,) = task_fidelity(embedded_model, specs, samples_per_task=1, bits_list=(8,), max_new_tokens=6, chunk_tokens=128)
+    assert (row.bits, row.resolution, row.num_prompts) == (8, "int8", 1)
+    assert row.reused_tokens >= 128, "the prefix must come from the store"
+    assert 0.0 <= row.matched_prefix <= 1.0 and row.identical in (0.0, 1.0)
