@@ -8,6 +8,7 @@ With an API key, the `/v1` routes need `Authorization: Bearer KEY`, compared in 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -60,6 +61,7 @@ def create_app(engine: ServeEngine, config: ServeConfig, default_lossless: Lossl
     model_name = engine.loaded.name
     created = int(time.time())
 
+    @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         # Uvicorn has let open requests finish for `shutdown_timeout_s`; cancel what is left.
@@ -166,7 +168,7 @@ class Reply:
         return chunk
 
 
-async def _parse(request: Request, model: type[CompletionRequest] | type[ChatCompletionRequest]) -> Any:
+async def _parse(request: Request, model: type[CompletionRequest | ChatCompletionRequest]) -> Any:
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
         raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES >> 20} MiB")

@@ -224,7 +224,7 @@ class ServeEngine:
             admitted = self.run.sequences[-1] if self.run.sequences else None
             if draft is not None and admitted is not None and admitted.request == index:
                 request.rounds = admitted.stats  # updated in place by every round of the sequence
-        except Exception as error:  # noqa: BLE001 - one request's failure never stops the others
+        except Exception as error:
             logger.exception("prefill of a request failed")
             with self._cond:
                 if self._prefilling and self._prefilling[0][1] is request:
@@ -258,7 +258,7 @@ class ServeEngine:
     def _decode_step(self) -> None:
         try:
             self.run.step()
-        except Exception as error:  # noqa: BLE001 - a failed forward fails the batch, not the server
+        except Exception as error:
             logger.exception("a decoding step failed; failing the running requests")
             with self._cond:
                 failed = list(self._running.items())

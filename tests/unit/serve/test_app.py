@@ -1,0 +1,109 @@
+"""The HTTP layer in process (tiny random model): OpenAI shapes, SSE framing, errors, key, metrics."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvlab.compress import compressors
+from kvlab.generation import GenerationConfig, generate
+from kvlab.lossless import LosslessConfig
+from kvlab.models import LoadedModel
+from kvlab.serve.app import create_app
+from kvlab.serve.config import ServeConfig
+from kvlab.serve.engine import ServeEngine
+from tests.conftest import tiny_llama
+
+PROMPT = "w5 w9 w17 w33 w40 w41 w60 w7 w8 w12 w13 w50 w51 w52 w70 w71"
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    return tiny_llama()
+
+
+def make_client(loaded: LoadedModel, **settings: object) -> TestClient:
+    config = ServeConfig(**settings)  # type: ignore[arg-type]
+    lossless = LosslessConfig(compressors.create("snapkv", budget=8), 3)
+    engine = ServeEngine(loaded, config, lossless)
+    return TestClient(create_app(engine, config, lossless))
+
+
+@pytest.fixture(scope="module")
+def client(loaded: LoadedModel) -> Iterator[TestClient]:
+    with make_client(loaded, max_prompt_tokens=64) as client:
+        yield client
+
+
+def events(response_text: str) -> list[str]:
+    assert response_text.endswith("data: [DONE]\n\n"), "a stream must end with [DONE]"
+    return [block.removeprefix("data: ") for block in response_text.strip().split("\n\n")]
+
+
+def test_a_completion_has_the_openai_shape_and_the_offline_text(client: TestClient, loaded: LoadedModel) -> None:
+    reply = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                                                 "kvlab": {"mode": "lossless", "drafter_args": {"budget": 8}}})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    expected = generate(loaded, [loaded.encode_prompt(PROMPT, raw=True)], GenerationConfig(max_new_tokens=6)).requests[0]
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == expected.text
+    assert body["usage"]["completion_tokens"] == len(expected.token_ids)
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert body["kvlab"]["mode"] == "lossless" and body["kvlab"]["rounds"] >= 1
+
+
+def test_a_stream_is_server_sent_events_that_add_up_to_the_whole_reply(client: TestClient) -> None:
+    request = {"prompt": PROMPT, "max_tokens": 7, "temperature": 0, "kvlab": {"ignore_eos": True}}
+    whole = client.post("/v1/completions", json=request).json()
+    streamed = client.post("/v1/completions", json={**request, "stream": True, "stream_options": {"include_usage": True}})
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    chunks = [json.loads(data) for data in events(streamed.text)[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole["choices"][0]["text"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 7
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        ({"prompt": PROMPT, "best_of": 3}, 400, "best_of"),
+        ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ({"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
+        ({"prompt": " ".join([PROMPT] * 5)}, 400, "at most 64 (max_prompt_tokens)"),
+        ({"prompt": [5, 6, 400]}, 400, "token ids must be in"),
+        ({"prompt": PROMPT, "kvlab": {"mode": "lossless", "draft_length": 0}}, 400, "draft_length"),
+        ({"prompt": PROMPT, "kvlab": {"mode": "lossy", "draft_length": 2}}, 400, "needs mode 'lossless'"),
+        ({"prompt": PROMPT, "kvlab": {"cache_salt": "x" * 300}}, 400, "kvlab.cache_salt"),
+        ({"messages": [{"role": "user", "content": "w5"}]}, 400, "prompt: Field required"),
+    ],
+)
+def test_bad_requests_get_openai_error_objects(client: TestClient, body: dict[str, object], status: int, message: str) -> None:
+    reply = client.post("/v1/completions", json=body)
+    assert reply.status_code == status, reply.text
+    assert message in reply.json()["error"]["message"]
+
+
+def test_chat_needs_a_chat_template(client: TestClient) -> None:
+    reply = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w5"}]})
+    assert reply.status_code == 400 and "no chat template" in reply.json()["error"]["message"]
+
+
+def test_metrics_parse_with_prometheus_clients_parser(client: TestClient) -> None:
+    client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "kvlab": {"mode": "lossless"}})
+    reply = client.get("/metrics")
+    samples = {s.name: s.value for family in text_string_to_metric_families(reply.text) for s in family.samples}
+    assert samples["kvlab:generation_tokens_total"] >= 3
+    assert samples["kvlab:spec_decode_num_drafts_total"] >= 1
+    assert samples["kvlab:num_requests_running"] == 0
+
+
+def test_the_api_key_guards_the_v1_routes_only(loaded: LoadedModel) -> None:
+    with make_client(loaded, api_key="k3y") as client:
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": "Bearer k3y"}).json()["data"][0]["id"] == loaded.name
+        assert client.get("/health").status_code == 200 and client.get("/").status_code == 200
