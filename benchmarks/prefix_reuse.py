@@ -8,14 +8,17 @@ resolution in a memory store; a second request (same prefix + suffix B) then reu
 token-bucket link of each bandwidth. Rows per link:
   raw fetch         the fp32 bytes, no codec (the plain-transfer baseline)
   exact             bit-exact byte-plane codec (output identical)
-  int8 / int4       code-lossless quantized codes (output may differ)
-  adaptive          per chunk raw / exact / int8 / int4 / recompute, planned from measured bandwidth
+  int8 / int4       code-lossless quantized codes, zstd (output may differ)
+  int4/int2-video   code-lossless codes coded by lossless HEVC (KVCodec), restored token by token
+  adaptive          per chunk any resolution or recompute, planned from measured bandwidth
   adaptive-exact    raw, exact or recompute only (output identical)
   lossless int4     lossless decoding drafting from an int4 window of the prefix while the exact
-                    prefix arrives
+  lossless int2-video  prefix arrives (from the zstd or the video-coded copy)
 TTFT ratios are against recomputing the whole prompt and against the raw fetch on the same link;
-"identical" compares the first `--new-tokens` greedy tokens with recompute. `time to N` is the time
-until all N tokens are out (where drafting during the transfer shows).
+"identical" compares the first `--new-tokens` greedy tokens with recompute and "fidelity" is the
+share of them matched before the first difference (lossy rows). For token-by-token restores, "buffer"
+is the peak decode buffer of one chunk (payload, frames, metadata) and "overlap" the mean share of a
+chunk's decode during which its first tokens were already restored.
 
 The scheduler part serves one reuse request over a slow link plus short requests that need no fetch,
 arriving just after it, with and without the fetch-aware scheduler: mean TTFT of the short ones.
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Any
 
 import torch
 
@@ -46,9 +50,12 @@ MODES: list[tuple[str, tuple[str, ...], bool, str | None]] = [
     ("exact", ("exact",), False, None),
     ("int8", ("int8",), False, None),
     ("int4", ("int4",), False, None),
-    ("adaptive", ("raw", "exact", "int8", "int4"), True, None),
+    ("int4-video", ("int4-video",), False, None),
+    ("int2-video", ("int2-video",), False, None),
+    ("adaptive", tuple(RESOLUTIONS), True, None),
     ("adaptive-exact", ("raw", "exact"), True, None),
     ("lossless int4", ("exact", "int4"), False, "int4"),
+    ("lossless int2-video", ("exact", "int2-video"), False, "int2-video"),
 ]
 
 
@@ -77,6 +84,18 @@ def run_mode(loaded: LoadedModel, prompt: list[int], prefix: PrefixCache, new_to
 
 def total_s(output: GenerationOutput) -> float:
     return output.stats.ttft_s + output.stats.decode_s
+
+
+def matched_share(tokens: list[int], reference: list[int]) -> float:
+    """Share of `reference` matched before the first differing token."""
+    matched = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+    return matched / max(len(reference), 1)
+
+
+def restore_overlap(output: GenerationOutput) -> float | None:
+    """Mean restore overlap of the chunks restored token by token (None: none was)."""
+    chunks = sum(f.token_restored_chunks for f in output.stats.prefix_fetches)
+    return sum(f.restore_overlap for f in output.stats.prefix_fetches) / chunks if chunks else None
 
 
 def main() -> None:
@@ -113,8 +132,9 @@ def main() -> None:
         for key in writer.keys(prompt_a, name):
             stored_bytes[name] += memory.nbytes(key) or 0
 
-    rows = [{"link_gbit": None, "mode": "recompute", "ttft_s": recompute.stats.ttft_s, "total_s": total_s(recompute),
-             "identical": True, "fetched_bytes": 0, "resolutions": {}}]
+    rows: list[dict[str, Any]] = [{"link_gbit": None, "mode": "recompute", "ttft_s": recompute.stats.ttft_s, "total_s": total_s(recompute),
+             "identical": True, "fidelity": 1.0, "peak_decode_buffer_bytes": 0, "restore_overlap": None,
+             "fetched_bytes": 0, "resolutions": {}}]
     for gbit in args.links:
         link = ThrottledStore(memory, bits_per_s=gbit * 1e9)
         for label, fetch, allow_recompute, lossless_from in MODES:
@@ -132,12 +152,16 @@ def main() -> None:
                 "ttft_s": output.stats.ttft_s,
                 "total_s": total_s(output),
                 "identical": output.requests[0].token_ids == reference,
+                "fidelity": matched_share(output.requests[0].token_ids, reference),
+                "peak_decode_buffer_bytes": max((f.peak_decode_buffer_bytes for f in output.stats.prefix_fetches),
+                                                default=0),
+                "restore_overlap": restore_overlap(output),
                 "fetched_bytes": sum(f.nbytes for f in output.stats.prefix_fetches),
                 "resolutions": resolutions,
                 "acceptance_length": output.lossless.acceptance_length if isinstance(output, LosslessOutput) else None,
             })
 
-    scheduler_rows = []
+    scheduler_rows: list[dict[str, Any]] = []
     if args.scheduler_link > 0:
         link = ThrottledStore(memory, bits_per_s=args.scheduler_link * 1e9)
         shorts = [document[512 * (i + 1) : 512 * (i + 2)] for i in range(args.short_requests)]
@@ -169,18 +193,21 @@ def main() -> None:
     )
     sizes = ", ".join(f"{name} {size / 2**20:.0f} MiB" for name, size in stored_bytes.items())
     print(f"stored prefix: {sizes}")
-    print(f"| link | mode | TTFT s | vs recompute | vs raw fetch | time to {args.new_tokens} tokens s | fetched MiB | chunks | identical |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| link | mode | TTFT s | vs recompute | vs raw fetch | time to {args.new_tokens} tokens s | fetched MiB | chunks "
+          "| identical | fidelity | buffer MiB | overlap |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     raw_ttft = {row["link_gbit"]: row["ttft_s"] for row in rows if row["mode"] == "raw fetch"}
     for row in rows:
         link_label = "-" if row["link_gbit"] is None else f"{row['link_gbit']:g} Gbit/s"
         raw = raw_ttft.get(row["link_gbit"])
         vs_raw = f"{row['ttft_s'] / raw:.2f}x" if raw else "-"
         chunks = " ".join(f"{name}:{count}" for name, count in sorted(row["resolutions"].items())) or "-"
+        buffer = f"{row['peak_decode_buffer_bytes'] / 2**20:.2f}" if row["peak_decode_buffer_bytes"] else "-"
+        overlap = "-" if row["restore_overlap"] is None else f"{row['restore_overlap']:.0%}"
         print(
             f"| {link_label} | {row['mode']} | {row['ttft_s']:.2f} | {row['ttft_s'] / recompute.stats.ttft_s:.2f}x | "
             f"{vs_raw} | {row['total_s']:.2f} | {row['fetched_bytes'] / 2**20:.0f} | {chunks} | "
-            f"{'yes' if row['identical'] else 'NO'} |"
+            f"{'yes' if row['identical'] else 'NO'} | {row['fidelity']:.0%} | {buffer} | {overlap} |"
         )
     if scheduler_rows:
         print(f"\nscheduler: 1 reuse request over {args.scheduler_link:g} Gbit/s + {args.short_requests} short requests")
