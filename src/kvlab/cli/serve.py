@@ -52,6 +52,7 @@ class ServeCommand(Command):
         reuse.add_argument("--prefix-store", metavar="URL", help=_help("prefix_store"))
         reuse.add_argument("--prefix-chunk-tokens", type=int, default=defaults.prefix_chunk_tokens, help=_help("prefix_chunk_tokens"))
         reuse.add_argument("--fetch-workers", type=int, default=defaults.fetch_workers, help=_help("fetch_workers"))
+        reuse.add_argument("--max-cache-salts", type=int, default=defaults.max_cache_salts, help=_help("max_cache_salts"))
 
     def run(self, args: argparse.Namespace) -> int:
         config = config_from_args(args)
@@ -91,4 +92,5 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         prefix_store=args.prefix_store,
         prefix_chunk_tokens=args.prefix_chunk_tokens,
         fetch_workers=args.fetch_workers,
+        max_cache_salts=args.max_cache_salts,
     )
