@@ -1,4 +1,10 @@
-"""PNG figures of a benchmark: quality vs throughput with the Pareto front, quality per task, realized ratio.
+"""PNG figures of a benchmark, one set per model.
+
+- quality vs decode throughput (axes from zero; a Pareto front only when at least 3 points are on it);
+- quality per task and KV bytes ratio per task (grouped bars; a missing cell is marked "n/a", never a
+  zero-height bar);
+- with a ratio sweep: quality and fidelity against the KV bytes ratio, one line per method;
+- with shared-context tasks: quality and fidelity per turn (the decline from turn 1 to turn N).
 
 Figures are drawn on `matplotlib.figure.Figure` objects (no pyplot, no global backend state).
 """
@@ -6,56 +12,108 @@ Figures are drawn on `matplotlib.figure.Figure` objects (no pyplot, no global ba
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvlab.errors import ConfigError
+
+# A front through fewer non-dominated points says nothing a table does not.
+MIN_PARETO_POINTS = 3
+KV_BYTES_LABEL = "KV bytes ratio (fp16 bytes of the tokens / bytes stored)"
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     """Indices of the points no other point beats on both axes (higher is better on both), by x."""
     front = []
     for i, (x, y) in enumerate(points):
-        dominated = any(
-            (ox >= x and oy >= y) and (ox > x or oy > y) for j, (ox, oy) in enumerate(points) if j != i
-        )
+        dominated = any((ox >= x and oy >= y) and (ox > x or oy > y) for j, (ox, oy) in enumerate(points) if j != i)
         if not dominated:
             front.append(i)
     return sorted(front, key=lambda i: points[i][0])
 
 
 def method_points(cells: Sequence[dict[str, Any]]) -> dict[str, tuple[float, float]]:
-    """Per method: (median decode tokens/s over tasks, mean primary quality over tasks)."""
+    """Per method: (median decode tokens/s over tasks, mean primary quality over its scored tasks)."""
     by_method: dict[str, list[dict[str, Any]]] = {}
     for cell in cells:
         by_method.setdefault(cell["method"], []).append(cell)
     return {
         method: (
             statistics.median(c["system"]["decode_tokens_per_s"] for c in group),
-            statistics.fmean(c["primary"] or 0.0 for c in group),
+            statistics.fmean(c["primary"] for c in group if c["primary"] is not None)
+            if any(c["primary"] is not None for c in group)
+            else 0.0,
         )
         for method, group in by_method.items()
     }
 
 
-def render_plots(cells: Sequence[dict[str, Any]], directory: Path, prefix: str) -> list[Path]:
-    """Write the three figures for one model's cells; returns their paths."""
+def render_plots(cells: Sequence[dict[str, Any]], directory: Path, prefix: str, model: str = "") -> list[Path]:
+    """Write one model's figures; returns their paths."""
     figure_class = _figure_class()
     methods = list(dict.fromkeys(cell["method"] for cell in cells))
     task_names = list(dict.fromkeys(cell["task"] for cell in cells))
+    suffix = f" — {model}" if model else ""
     paths = [
-        _scatter(figure_class, cells, directory / f"{prefix}quality_vs_throughput.png"),
+        _scatter(figure_class, cells, f"Quality vs decode throughput{suffix}", directory / f"{prefix}quality_vs_throughput.png"),
         _grouped_bars(
-            figure_class, cells, methods, task_names, lambda c: c["primary"] or 0.0,
-            "quality (each task's primary metric)", directory / f"{prefix}quality_by_task.png",
+            figure_class, cells, methods, task_names, lambda c: c["primary"],
+            "quality (each task's primary metric)", f"Quality per task{suffix}", directory / f"{prefix}quality_by_task.png",
         ),
         _grouped_bars(
             figure_class, cells, methods, task_names, lambda c: c["system"]["kv_bytes_ratio"],
-            "realized compression ratio (fp16 bytes / stored bytes)", directory / f"{prefix}realized_ratio.png",
+            KV_BYTES_LABEL, f"KV bytes ratio per task{suffix}", directory / f"{prefix}kv_bytes_ratio.png",
         ),
-    ]
+    ]  # fmt: skip
+    if is_ratio_sweep(cells):
+        paths.append(
+            _curves(
+                figure_class,
+                cells,
+                f"Quality and fidelity vs KV bytes ratio{suffix}",
+                directory / f"{prefix}curves.png",
+            )
+        )
+    if any(cell.get("per_turn") for cell in cells):
+        paths.append(
+            _per_turn(
+                figure_class, cells, f"Decline over turns of a shared context{suffix}", directory / f"{prefix}turns.png"
+            )
+        )
     return paths
+
+
+def is_ratio_sweep(cells: Sequence[dict[str, Any]]) -> bool:
+    """Some compressor was run at 3 or more settings (a curve, not two budgets)."""
+    families: dict[str, set[str]] = {}
+    for cell in cells:
+        if cell["kind"] == "lossy":
+            families.setdefault(method_family(cell["method"]), set()).add(cell["method"])
+    return any(len(labels) >= 3 for labels in families.values())
+
+
+def method_family(label: str) -> str:
+    """The line a row belongs to in a curve: its label without the trailing setting ("snapkv-87.5" -> "snapkv")."""
+    head, _, tail = label.rpartition("-")
+    return head if head and tail.replace(".", "", 1).isdigit() else label
+
+
+def curve_points(
+    cells: Sequence[dict[str, Any]], value: Callable[[dict[str, Any]], float | None]
+) -> dict[str, list[tuple[float, float]]]:
+    """Per family of lossy rows: (median KV bytes ratio over tasks, mean `value` over tasks), by x."""
+    by_method: dict[str, list[dict[str, Any]]] = {}
+    for cell in cells:
+        by_method.setdefault(cell["method"], []).append(cell)
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for method, group in by_method.items():
+        values = [v for v in map(value, group) if v is not None]
+        if group[0]["kind"] != "lossy" or not values:
+            continue
+        x = statistics.median(c["system"]["kv_bytes_ratio"] for c in group)
+        lines.setdefault(method_family(method), []).append((x, statistics.fmean(values)))
+    return {family: sorted(points) for family, points in lines.items()}
 
 
 def _figure_class() -> Any:
@@ -66,7 +124,7 @@ def _figure_class() -> Any:
     return Figure
 
 
-def _scatter(figure_class: Any, cells: Sequence[dict[str, Any]], path: Path) -> Path:
+def _scatter(figure_class: Any, cells: Sequence[dict[str, Any]], title: str, path: Path) -> Path:
     points = method_points(cells)
     names = list(points)
     coordinates = [points[name] for name in names]
@@ -76,15 +134,17 @@ def _scatter(figure_class: Any, cells: Sequence[dict[str, Any]], path: Path) -> 
     for name, (x, y) in zip(names, coordinates):
         axes.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     front = pareto_front(coordinates)
-    axes.plot(
-        [coordinates[i][0] for i in front], [coordinates[i][1] for i in front],
-        color="tab:red", linestyle="--", label="Pareto front", zorder=2,
-    )
+    if len(front) >= MIN_PARETO_POINTS:
+        xs, ys = [coordinates[i][0] for i in front], [coordinates[i][1] for i in front]
+        axes.plot(xs, ys, color="tab:red", linestyle="--", label="Pareto front", zorder=2)
+        axes.legend()
+    # From zero, so a gap of 0.01 looks like one.
+    axes.set_xlim(left=0)
+    axes.set_ylim(bottom=0)
     axes.set_xlabel("decode throughput, tokens/s (median over tasks)")
     axes.set_ylabel("quality (mean of primary metrics over tasks)")
-    axes.set_title("Quality vs throughput")
+    axes.set_title(title)
     axes.grid(alpha=0.3)
-    axes.legend()
     figure.savefig(path, dpi=120)
     return path
 
@@ -94,8 +154,9 @@ def _grouped_bars(
     cells: Sequence[dict[str, Any]],
     methods: list[str],
     task_names: list[str],
-    value: Any,
+    value: Callable[[dict[str, Any]], float | None],
     ylabel: str,
+    title: str,
     path: Path,
 ) -> Path:
     lookup = {(cell["task"], cell["method"]): value(cell) for cell in cells}
@@ -104,10 +165,80 @@ def _grouped_bars(
     width = 0.8 / max(len(methods), 1)
     for offset, method in enumerate(methods):
         xs = [i + (offset - (len(methods) - 1) / 2) * width for i in range(len(task_names))]
-        axes.bar(xs, [lookup.get((task, method), 0.0) for task in task_names], width, label=method)
+        heights = [lookup.get((task, method)) for task in task_names]
+        bars = axes.bar(xs, [h or 0.0 for h in heights], width, label=method)
+        for x, height, bar in zip(xs, heights, bars):
+            if height is None:
+                bar.set_visible(False)
+                axes.text(x, 0, "n/a", rotation=90, ha="center", va="bottom", fontsize=7, color="dimgray")
     axes.set_xticks(range(len(task_names)), task_names, rotation=20, ha="right")
     axes.set_ylabel(ylabel)
+    axes.set_title(
+        title
+        + (
+            "  (n/a: no result for that cell)"
+            if None in lookup.values() or len(lookup) < len(methods) * len(task_names)
+            else ""
+        )
+    )
     axes.grid(axis="y", alpha=0.3)
     axes.legend(fontsize=7, ncols=min(len(methods), 4))
+    figure.savefig(path, dpi=120)
+    return path
+
+
+def _curves(figure_class: Any, cells: Sequence[dict[str, Any]], title: str, path: Path) -> Path:
+    figure = figure_class(figsize=(12, 5), layout="constrained")
+    panels = figure.subplots(1, 2)
+    full = [c for c in cells if c["kind"] == "full"]
+    full_quality = statistics.fmean(c["primary"] for c in full if c["primary"] is not None) if full else None
+    series = (
+        (panels[0], lambda c: c["primary"], "quality (mean of primary metrics over tasks)", full_quality),
+        (panels[1], lambda c: c["fidelity"]["matched_prefix"], "fidelity (share of the full-KV output matched)", 1.0),
+    )
+    lossless = sorted({c["method"] for c in cells if c["kind"] == "lossless"})
+    for axes, value, ylabel, full_level in series:
+        for family, points in curve_points(cells, value).items():
+            axes.plot([x for x, _ in points], [y for _, y in points], marker="o", label=family)
+        if full_level is not None:
+            axes.axhline(full_level, color="black", linewidth=1, label="full KV")
+            for name in lossless:
+                # Lossless rows reproduce full KV, so they sit on its level whatever their drafter stores.
+                axes.axhline(full_level, color="tab:green", linestyle=":", linewidth=2, label=f"{name} (= full)")
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel(KV_BYTES_LABEL)
+        axes.set_ylabel(ylabel)
+        axes.set_ylim(bottom=0)
+        axes.grid(alpha=0.3)
+    panels[0].legend(fontsize=7)
+    figure.suptitle(title)
+    figure.savefig(path, dpi=120)
+    return path
+
+
+def _per_turn(figure_class: Any, cells: Sequence[dict[str, Any]], title: str, path: Path) -> Path:
+    figure = figure_class(figsize=(12, 5), layout="constrained")
+    panels = figure.subplots(1, 2)
+    keys = (
+        ("quality", "quality (primary metric)"),
+        ("matched_prefix", "fidelity (share of the full-KV output matched)"),
+    )
+    turn_cells = [cell for cell in cells if cell.get("per_turn")]
+    several_tasks = len({cell["task"] for cell in turn_cells}) > 1
+    for axes, (key, ylabel) in zip(panels, keys):
+        for cell in turn_cells:
+            points = sorted(
+                (int(turn), figures[key]) for turn, figures in cell["per_turn"].items() if figures[key] is not None
+            )
+            label = f"{cell['task']}/{cell['method']}" if several_tasks else cell["method"]
+            style = ":" if cell["kind"] == "lossless" else "-"
+            axes.plot([t for t, _ in points], [v for _, v in points], style, marker="o", label=label)
+        axes.set_xlabel("turn (the cache was compressed at turn 1)")
+        axes.set_ylabel(ylabel)
+        axes.set_ylim(bottom=0, top=1.05)
+        axes.xaxis.get_major_locator().set_params(integer=True)
+        axes.grid(alpha=0.3)
+    panels[0].legend(fontsize=7)
+    figure.suptitle(title)
     figure.savefig(path, dpi=120)
     return path

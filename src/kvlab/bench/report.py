@@ -26,9 +26,12 @@ def render_report(out: str | Path) -> Path:
     if not cells:
         raise ConfigError(f"no finished benchmark cells in {directory} (run `kvlab bench --out {directory}` first)")
     lines = _header(directory)
-    for model in dict.fromkeys(cell["model"] for cell in cells):
+    models = list(dict.fromkeys(cell["model"] for cell in cells))
+    if len(models) > 1:
+        lines += models_side_by_side(cells, models)
+    for model in models:
         model_cells = [cell for cell in cells if cell["model"] == model]
-        plots = render_plots(model_cells, directory, prefix=f"{model_slug(model)}_")
+        plots = render_plots(model_cells, directory, prefix=f"{model_slug(model)}_", model=model)
         lines += model_section(model, model_cells, [plot.name for plot in plots])
     path = directory / REPORT_FILE
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -54,23 +57,55 @@ def _header(directory: Path) -> list[str]:
     gpus = ", ".join(gpu["name"] for gpu in environment.get("gpu") or []) or "none"
     packages = environment.get("packages") or {}
     versions = ", ".join(f"{name} {version}" for name, version in packages.items() if version)
+    tasks_text = "; ".join(
+        f"{spec.get('name')} ({spec.get('context_tokens', 'its own')} context tokens, "
+        f"{spec.get('max_new_tokens', 'its default')} new tokens)"
+        for spec in config.get("tasks", [])
+    )
+    ratios = config.get("ratios") or []
     return [
         "# kvlab benchmark report",
         "",
+        f"- preset: {config.get('preset', 'unknown')}; models: {', '.join(config.get('models', [])) or 'unknown'}",
+        f"- tasks: {tasks_text or 'unknown'}",
+        f"- samples per task: {config.get('samples', '?')}; timing repeats per sample: {config.get('repeats', '?')}"
+        + (f"; compression ratios swept: {', '.join(f'{r:g}' for r in ratios)}" if ratios else ""),
         f"- git revision: {revision.get('commit', 'unknown')}{' (uncommitted changes)' if revision.get('dirty') else ''}",
         (
             f"- device: {environment.get('device', '?')}; CPU: {cpu.get('processor', '?')}, "
             f"{cpu.get('usable_cores', '?')} usable cores, {cpu.get('torch_threads', '?')} torch threads; GPU: {gpus}"
         ),
         f"- packages: {versions or 'unknown'}",
-        f"- samples per task: {config.get('samples', '?')}; timing repeats per sample: {config.get('repeats', '?')}",
         "",
-        "Quality is each task's primary metric (mean over samples). Fidelity compares each output with the",
-        "full-KV output of the same sample: `= full` is the share of identical outputs, `diverges at` the median",
-        "token index of the first difference. TTFT, decode tokens/s and the realized ratio (fp16 bytes of the",
-        "same tokens / bytes stored, everything counted) are medians over samples.",
+        "Quality is each task's primary metric (mean over samples), scored as the task's `scorer` says. Fidelity",
+        "compares each output with the full-KV output of the same sample: `= full` is the share of identical",
+        "outputs, `diverges at` the median token index of the first difference. TTFT and decode tokens/s are",
+        "medians over samples; the KV bytes ratio is fp16 bytes of the same tokens / bytes the cache stores",
+        "(everything counted). A method's `compression_ratio` is the fraction of tokens it removes; the",
+        "number in an eviction row's name is that fraction in percent (snapkv-75 removes 75%).",
         "",
     ]
+
+
+def models_side_by_side(cells: Sequence[dict[str, Any]], models: Sequence[str]) -> list[str]:
+    """Per method and model: mean quality and mean matched prefix over tasks, median KV bytes ratio."""
+    lines = ["## Models side by side", ""]
+    header = ["method"] + [f"{model} {figure}" for model in models for figure in ("quality", "fidelity", "KV bytes")]
+    lines += _row(header) + [_row(["---"] * len(header))[0]]
+    for method in dict.fromkeys(cell["method"] for cell in cells):
+        row = [method]
+        for model in models:
+            mine = [c for c in cells if c["model"] == model and c["method"] == method]
+            quality = [c["primary"] for c in mine if c["primary"] is not None]
+            matched = [c["fidelity"]["matched_prefix"] for c in mine if c["fidelity"]["matched_prefix"] is not None]
+            ratios = sorted(c["system"]["kv_bytes_ratio"] for c in mine)
+            row += [
+                _number(sum(quality) / len(quality) if quality else None),
+                _number(sum(matched) / len(matched) if matched else None, 2),
+                _number(ratios[len(ratios) // 2] if ratios else None, 2) + ("x" if ratios else ""),
+            ]
+        lines += _row(row)
+    return lines + ["", "Quality: mean over tasks of the primary metric; fidelity: mean matched prefix; KV bytes: median.", ""]
 
 
 def model_section(model: str, cells: Sequence[dict[str, Any]], plots: Sequence[str]) -> list[str]:
@@ -78,7 +113,10 @@ def model_section(model: str, cells: Sequence[dict[str, Any]], plots: Sequence[s
     lines = [f"## {model}", "", "### Quality per task and method", ""]
     lines += summary_table(cells)
     for task in dict.fromkeys(cell["task"] for cell in cells):
-        lines += ["", *task_table([cell for cell in cells if cell["task"] == task])]
+        task_cells = [cell for cell in cells if cell["task"] == task]
+        lines += ["", *task_table(task_cells)]
+        if any(cell.get("per_turn") for cell in task_cells):
+            lines += ["", *turn_table(task_cells)]
     lines += ["", "### Plots", ""]
     lines += [f"![{name.removesuffix('.png')}]({name})" for name in plots]
     return lines + [""]
@@ -104,7 +142,7 @@ def task_table(cells: Sequence[dict[str, Any]]) -> list[str]:
     first = cells[0]
     full = next((cell for cell in cells if cell["kind"] == "full"), None)
     title = f"### {first['task']} — {first['workload']} ({first['primary_metric']}, {first['num_samples']} samples)"
-    header = ["method", "quality", "vs full", "= full", "diverges at", "TTFT s", "decode tok/s", "realized ratio",
+    header = ["method", "quality", "vs full", "= full", "diverges at", "TTFT s", "decode tok/s", "KV bytes ratio",
               "peak KV MiB", "other"]  # fmt: skip
     lines = [title, "", *_row(header), _row(["---"] * len(header))[0]]
     for cell in cells:
@@ -124,8 +162,23 @@ def task_table(cells: Sequence[dict[str, Any]]) -> list[str]:
             _number(system["peak_kv_resident_bytes"] / 2**20, 1),
             _other_figures(cell),
         ])
+    if first.get("scorer"):
+        lines += ["", f"Scorer: {first['scorer']}."]
     if first.get("skipped_rows"):
         lines += ["", f"{first['skipped_rows']} malformed data row(s) were skipped."]
+    return lines
+
+
+def turn_table(cells: Sequence[dict[str, Any]]) -> list[str]:
+    """A shared-context task: quality and matched prefix per turn (the cache was compressed at turn 1)."""
+    turns = sorted({int(turn) for cell in cells for turn in cell.get("per_turn") or {}})
+    header = ["method", *(f"turn {t} quality" for t in turns), *(f"turn {t} fidelity" for t in turns)]
+    lines = [f"Per turn ({cells[0]['task']}; fidelity: matched prefix):", "", *_row(header), _row(["---"] * len(header))[0]]
+    for cell in cells:
+        per_turn = cell.get("per_turn") or {}
+        qualities = [_number((per_turn.get(str(t)) or {}).get("quality")) for t in turns]
+        fidelities = [_number((per_turn.get(str(t)) or {}).get("matched_prefix"), 2) for t in turns]
+        lines += _row([cell["method"], *qualities, *fidelities])
     return lines
 
 

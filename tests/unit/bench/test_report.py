@@ -76,7 +76,7 @@ def test_report_lists_tasks_and_methods_in_run_order_with_full_kv_first(results_
 
 def test_report_writes_the_plots_it_links(results_folder: Path) -> None:
     report = render_report(results_folder).read_text()
-    for name in ("quality_vs_throughput", "quality_by_task", "realized_ratio"):
+    for name in ("quality_vs_throughput", "quality_by_task", "kv_bytes_ratio"):
         path = results_folder / f"smollm2_{name}.png"
         assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 5000, name
         assert f"]({path.name})" in report
