@@ -38,6 +38,19 @@ def as_tokens(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(token_geometry(tensor.shape))
 
 
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's data as a numpy array (shared, not copied). Codecs cross from torch to numpy
+    only here and in `integer_view`."""
+    return tensor.detach().cpu().numpy()
+
+
+def from_numpy(array: np.ndarray) -> torch.Tensor:
+    """A numpy array as a tensor (shared when the array is contiguous and writeable, else copied)."""
+    if not (array.flags.c_contiguous and array.flags.writeable):
+        array = np.array(array, copy=True, order="C")
+    return torch.from_numpy(array)
+
+
 def integer_view(chunk: torch.Tensor) -> np.ndarray:
     """The bits of a float tensor as an unsigned numpy array (native byte order) of the same shape and strides."""
     signed, unsigned = _INT_VIEWS[chunk.dtype]

@@ -86,7 +86,7 @@ class QuantizedCodec(Codec):
 
     def encode_chunks(self, chunks: Sequence[torch.Tensor]) -> list[bytes]:
         quantized = [self.quantize_chunk(chunk) for chunk in chunks]
-        code_blobs = self.encode_code_chunks([q.codes.numpy() for q in quantized])
+        code_blobs = self.encode_code_chunks([layouts.to_numpy(q.codes) for q in quantized])
         return [pack_sections([_encode_meta(q), blob]) for q, blob in zip(quantized, code_blobs)]
 
     def decode_chunks(
@@ -98,7 +98,7 @@ class QuantizedCodec(Codec):
             if codes.shape != shape or (codes.size and int(codes.max()) >= 1 << self.bits):
                 raise CodecError(f"codes of shape {codes.shape} do not fit chunk {shape} at {self.bits} bits")
             zeros, scales = self._decode_meta(meta, shape, dtype)
-            quantized = QuantizedGroups(torch.from_numpy(codes), zeros, scales, self.bits,
+            quantized = QuantizedGroups(layouts.from_numpy(codes), zeros, scales, self.bits,
                                         kv_axis(self.kind) % 3, self.group_size)
             yield dequantize(quantized, dtype)
 
@@ -159,7 +159,7 @@ class QuantizedCodec(Codec):
         axis = kv_axis(self.kind) % 3
         # Keys group tokens: the token's group holds its parameters. Values group channels: one row per token.
         row = index // self.group_size if axis == 1 else index
-        quantized = QuantizedGroups(torch.from_numpy(np.ascontiguousarray(codes[:, None])), zeros[:, row : row + 1],
+        quantized = QuantizedGroups(layouts.from_numpy(codes[:, None]), zeros[:, row : row + 1],
                                     scales[:, row : row + 1], self.bits, axis, self.group_size)
         return dequantize(quantized, dtype)[:, 0]
 
@@ -189,7 +189,7 @@ class QuantizedCodec(Codec):
         planes = np.frombuffer(zstd_decompress(blob, 2 * count * itemsize), np.uint8).reshape(itemsize, 2 * count)
         values = layouts.from_integer_view(layouts.join_byte_planes(planes), dtype)
         # numpy, not torch: on small tensors torch's thread pool wake-up cost more than the check.
-        checked = values.float().numpy()
+        checked = layouts.to_numpy(values.float())
         if not (np.isfinite(checked).all() and (checked[count:] >= 0).all()):
             raise CodecError("quantization parameters are not finite non-negative scales")
         return values[:count].reshape(meta_shape), values[count:].reshape(meta_shape)

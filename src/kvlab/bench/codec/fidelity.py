@@ -24,7 +24,7 @@ import torch
 from kvlab.bench.codec.harness import BenchCase, CodecBenchStats, bench_codecs
 from kvlab.bench.runner import encode_sample
 from kvlab.bench.tasks import tasks
-from kvlab.codec.layouts import as_tokens
+from kvlab.codec.layouts import as_tokens, to_numpy
 from kvlab.codec.prediction import channel_contexts, entropy_bits, token_residuals
 from kvlab.generation import GenerationConfig, generate
 from kvlab.models import LoadedModel
@@ -134,7 +134,7 @@ def _tensor_entropy(tensor: torch.Tensor, kind: str, bits: int, chunk_tokens: in
     codes, residuals, meta_values = [], [], 0
     for start in range(0, tokens.shape[1], chunk_tokens):
         quantized = quantize(tokens[:, start : start + chunk_tokens], bits, kv_axis(kind), GROUP_SIZE)  # type: ignore[arg-type]
-        chunk_codes = quantized.codes.numpy()
+        chunk_codes = to_numpy(quantized.codes)
         codes.append(chunk_codes)
         residuals.append(token_residuals(chunk_codes, bits))
         meta_values += 2 * quantized.zeros.numel()
