@@ -108,6 +108,7 @@ def create_app(engine: ServeEngine, config: ServeConfig, default_lossless: Lossl
         return JSONResponse({"object": "list", "data": [entry]})
 
     async def serve(request: Request, chat: bool) -> Response:
+        arrival_s = time.perf_counter()  # latencies count tokenization and validation too
         check_key(request)
         body = await _parse(request, ChatCompletionRequest if chat else CompletionRequest)
         if body.model is not None and body.model != model_name:
@@ -126,7 +127,7 @@ def create_app(engine: ServeEngine, config: ServeConfig, default_lossless: Lossl
                 pass
 
         job = ServeRequest(resolved.prompt, resolved.config, resolved.mode, resolved.compressor, resolved.lossless,
-                           resolved.cache_salt, sink)
+                           resolved.cache_salt, sink, arrival_s=arrival_s)
         try:
             engine.submit(job)
         except ServerBusyError as error:

@@ -74,7 +74,7 @@ class ServeEngine:
             self.prefixes = SaltedPrefixes(loaded, config.prefix_store, config.prefix_chunk_tokens, config.max_cache_salts)
         self.run = self._new_run()
         self._cond = threading.Condition()
-        self._num_fetching = 0
+        self._fetching: set[ServeRequest] = set()
         self._ready: collections.deque[ServeRequest] = collections.deque()
         self._prefilling: collections.deque[tuple[int, ServeRequest, PromptPrefill | None]] = collections.deque()
         self._running: dict[int, ServeRequest] = {}
@@ -96,7 +96,7 @@ class ServeEngine:
         with self._cond:
             if self._closing:
                 raise EngineClosedError("the server is shutting down")
-            in_system = self._num_fetching + len(self._ready) + len(self._prefilling) + len(self._running)
+            in_system = len(self._fetching) + len(self._ready) + len(self._prefilling) + len(self._running)
             if in_system >= self.config.max_num_seqs + self.config.max_queued_requests:
                 raise ServerBusyError(
                     f"the server is at capacity ({self.config.max_num_seqs} running, "
@@ -106,7 +106,7 @@ class ServeEngine:
                 self._ready.append(request)
                 self._cond.notify()
             else:
-                self._num_fetching += 1
+                self._fetching.add(request)
                 self._fetch_pool.submit(self._fetch, request)
             self._update_gauges()
 
@@ -126,13 +126,15 @@ class ServeEngine:
         while self._thread.is_alive() and time.monotonic() < deadline and self.num_in_system():
             time.sleep(0.02)
         with self._cond:
-            for request in [*self._ready, *(entry[1] for entry in self._prefilling), *self._running.values()]:
+            waiting = [*self._fetching, *self._ready, *(entry[1] for entry in self._prefilling)]
+            for request in [*waiting, *self._running.values()]:
                 if not request.cancelled:
                     request.cancelled = True
                     request.sink(FailedEvent("the server shut down before the request finished"))
             self._cond.notify()
         self._fetch_pool.shutdown(wait=True, cancel_futures=True)
         with self._cond:
+            self._fetching.clear()  # fetches cancelled before they ran; their requests were told above
             self._ready.clear()
             self._stopped = True
             self._cond.notify()
@@ -147,7 +149,7 @@ class ServeEngine:
 
     def num_in_system(self) -> int:
         with self._cond:
-            return self._num_fetching + len(self._ready) + len(self._prefilling) + len(self._running)
+            return len(self._fetching) + len(self._ready) + len(self._prefilling) + len(self._running)
 
     # ----- fetch workers
 
@@ -160,7 +162,7 @@ class ServeEngine:
         finally:
             self.metrics.fetching.dec()
             with self._cond:
-                self._num_fetching -= 1
+                self._fetching.discard(request)
                 self._ready.append(request)
                 self._cond.notify()
 
@@ -323,4 +325,4 @@ class ServeEngine:
 
     def _update_gauges(self) -> None:
         self.metrics.running.set(len(self._prefilling) + len(self._running))
-        self.metrics.waiting.set(self._num_fetching + len(self._ready))
+        self.metrics.waiting.set(len(self._fetching) + len(self._ready))

@@ -137,14 +137,14 @@ def test_a_cancelled_request_leaves_the_batch_and_frees_its_row(engine: ServeEng
     engine.submit(request)
     while not any(tag == 0 for tag, _ in collector.log):
         time.sleep(0.001)
-    assert engine.metrics.running._value.get() == 1
+    assert engine.metrics.registry.get_sample_value("kvlab:num_requests_running", {"model_name": engine.loaded.name}) == 1
     engine.cancel(request)
     deadline = time.monotonic() + 10
     while engine.num_in_system() and time.monotonic() < deadline:
         time.sleep(0.005)
     assert engine.num_in_system() == 0
     assert not engine.run.sequences, "the cancelled sequence (and its caches) is still in the run"
-    assert engine.metrics.running._value.get() == 0
+    assert engine.metrics.registry.get_sample_value("kvlab:num_requests_running", {"model_name": engine.loaded.name}) == 0
     assert collector.done[0].empty(), "a cancelled request must get no further events"
 
 
@@ -181,3 +181,42 @@ def test_requests_beyond_the_batch_and_the_queue_are_refused(loaded: LoadedModel
     assert isinstance(collector.wait(0), FailedEvent), "shutdown without a grace period cancels running requests"
     with pytest.raises(EngineClosedError):
         engine.submit(make_request(collector, 3, PROMPTS[3], long))
+
+
+def run_one(engine: ServeEngine, prompt: list[int], config: GenerationConfig, mode: str = "lossless") -> FinishedEvent:
+    collector = Collector()
+    engine.submit(make_request(collector, 0, prompt, config, mode))
+    event = collector.wait(0)
+    assert isinstance(event, FinishedEvent), event
+    return event
+
+
+def test_a_stored_prefix_is_fetched_before_prefill_and_changes_no_token(loaded: LoadedModel) -> None:
+    config = ServeConfig(prefix_store="memory://", prefix_chunk_tokens=8)
+    engine = ServeEngine(loaded, config, LosslessConfig(compressors.create("snapkv", budget=12)))
+    try:
+        generation = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+        first = run_one(engine, PROMPTS[0], generation)
+        assert engine.prefixes is not None
+        engine.prefixes.get(None).flush()
+        second = run_one(engine, PROMPTS[0], generation)
+        assert (first.stats.cached_tokens, second.stats.cached_tokens) == (0, 16), "20 tokens hold 2 reusable 8-token chunks"
+        assert second.output.token_ids == first.output.token_ids == offline(loaded, PROMPTS[0], generation, "lossless")
+        assert engine.metrics.registry.get_sample_value("kvlab:prefix_fetched_tokens_total", {"model_name": loaded.name}) == 16
+    finally:
+        engine.shutdown()
+
+
+def test_a_store_that_cannot_be_reached_costs_reuse_not_completion(loaded: LoadedModel) -> None:
+    from tests.conftest import free_port
+
+    config = ServeConfig(prefix_store=f"redis://127.0.0.1:{free_port()}/0?timeout=0.5", prefix_chunk_tokens=8)
+    engine = ServeEngine(loaded, config, LosslessConfig(compressors.create("snapkv", budget=12)))
+    try:
+        generation = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+        for mode in ("plain", "lossless"):
+            event = run_one(engine, PROMPTS[1], generation, mode)
+            assert event.stats.cached_tokens == 0
+            assert event.output.token_ids == offline(loaded, PROMPTS[1], generation, mode), f"{mode} output changed"
+    finally:
+        engine.shutdown()
