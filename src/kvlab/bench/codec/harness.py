@@ -41,6 +41,7 @@ DEFAULT_CASES: tuple[BenchCase, ...] = (
     BenchCase("video x265 lossless", "video", {"encoder": "libx265"}),
     *(BenchCase(f"quant_zstd {bits}-bit", "quant_zstd", {"bits": bits}) for bits in (8, 4, 2)),
     *(BenchCase(f"cachegen {bits}-bit", "cachegen", {"bits": bits}) for bits in (8, 4, 2)),
+    *(BenchCase(f"video_codes hevc {bits}-bit", "video_codes", {"bits": bits}) for bits in (8, 4, 2)),
 )
 
 

@@ -40,6 +40,19 @@ def rate_fidelity_tables(report: RateFidelityReport) -> str:
             f"{bound.codes:>8.3f} {bound.residuals:>8.3f} {bound.metadata:>6.3f} {bound.best_bits_per_value:>7.3f} "
             f"{bound.reduction_vs_fp16:>12.2f}x"
         )
+    sections += ["", "Video against the best non-video coder at the same bits (ratio and decode speed):"]
+    header = f"{'bits':>4} {'video':<26} {'vs fp16':>8} {'dec MB/s':>9}   {'best other':<30} {'vs fp16':>8} " \
+             f"{'dec MB/s':>9}"
+    sections += [header, "-" * len(header)]
+    for bits in sorted({code_bits(row) for row in report.rates}, reverse=True):
+        rows = [row for row in report.rates if code_bits(row) == bits]
+        video = [row for row in rows if row.codec == "video_codes"]
+        other = [row for row in rows if row.codec != "video_codes"]
+        if video and other:
+            v = max(video, key=lambda row: row.reduction_vs_fp16)
+            o = max(other, key=lambda row: row.reduction_vs_fp16)
+            sections.append(f"{bits:>4} {v.label:<26} {v.reduction_vs_fp16:>7.2f}x {v.decode_mb_s:>9.1f}   "
+                            f"{o.label:<30} {o.reduction_vs_fp16:>7.2f}x {o.decode_mb_s:>9.1f}")
     if report.fidelity:
         sections += ["", (f"Task fidelity: greedy output from a prefix restored through the store, against full KV "
                      f"({', '.join(report.tasks)}):")]
