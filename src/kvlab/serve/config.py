@@ -10,6 +10,9 @@ from kvlab.errors import ConfigError
 
 Mode = Literal["plain", "lossy", "lossless"]
 MODES: tuple[Mode, ...] = ("plain", "lossy", "lossless")
+# kvlab.models.DTYPES and DraftWeights, spelled out so that `kvlab serve --help` loads no torch.
+Dtype = Literal["float32", "bfloat16", "float16"]
+DraftWeightsName = Literal["same", "bf16", "int8"]
 
 
 def _help(text: str) -> dict[str, str]:
@@ -24,8 +27,8 @@ class ServeConfig:
     touches files, URLs or limits is the operator's alone.
     """
 
-    model: str | None = dataclasses.field(default=None, metadata=_help("model: embedded alias, .gguf file, dir or cached hub id"))
-    dtype: str = dataclasses.field(default="float32", metadata=_help("weights and KV dtype"))
+    model: str | None = dataclasses.field(default=None, metadata=_help("embedded alias, .gguf file, model dir or cached hub id (default: the embedded model)"))
+    dtype: Dtype = dataclasses.field(default="float32", metadata=_help("weights and KV dtype"))
     device: str = dataclasses.field(default="cpu", metadata=_help("torch device"))
     host: str = dataclasses.field(default="127.0.0.1", metadata=_help("address to bind (other than loopback needs --api-key)"))
     port: int = dataclasses.field(default=8000, metadata=_help("TCP port (0: any free port)"))
@@ -48,12 +51,12 @@ class ServeConfig:
     mode: Mode = dataclasses.field(default="plain", metadata=_help("default decoding mode: plain, lossy or lossless"))
     drafter: str = dataclasses.field(default="snapkv", metadata=_help("default compressor (drafts in lossless, decodes in lossy)"))
     drafter_args: tuple[str, ...] = dataclasses.field(
-        default=(), metadata=_help("default drafter parameter KEY=VALUE (repeatable)")
+        default=(), metadata=_help("default drafter parameter KEY=VALUE")
     )
     num_draft_tokens: int | Literal["auto"] = dataclasses.field(
         default="auto", metadata=_help("default draft length, or auto (adapted per sequence)")
     )
-    draft_weights: str = dataclasses.field(default="same", metadata=_help("draft with the model (same) or a bf16/int8 copy"))
+    draft_weights: DraftWeightsName = dataclasses.field(default="same", metadata=_help("draft with the model (same) or a bf16/int8 copy"))
     prefix_store: str | None = dataclasses.field(
         default=None, metadata=_help("prefix store URL (memory://, file:///dir, redis://host:port/db)")
     )
@@ -78,6 +81,10 @@ class ServeConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}")
+        if self.num_draft_tokens != "auto" and (
+            not isinstance(self.num_draft_tokens, int) or isinstance(self.num_draft_tokens, bool) or self.num_draft_tokens < 1
+        ):
+            raise ConfigError(f"num_draft_tokens must be a positive integer or 'auto', got {self.num_draft_tokens!r}")
         if self.max_queued_requests < 0:
             raise ConfigError(f"max_queued_requests must be at least 0, got {self.max_queued_requests}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:

@@ -39,7 +39,7 @@ def test_flags_become_settings_and_the_key_may_come_from_the_environment(monkeyp
     monkeypatch.setenv("KVLAB_API_KEY", "from-env")
     config = config_from_args(parser.parse_args(["--host", "0.0.0.0", "--lossless", "--draft-length", "3", "--drafter-arg", "budget=64"]))
     assert (config.api_key, config.mode, config.num_draft_tokens, config.drafter_args) == ("from-env", "lossless", 3, ("budget=64",))
-    with pytest.raises(ConfigError, match="num-draft-tokens"):
+    with pytest.raises(ConfigError, match="num_draft_tokens"):
         config_from_args(parser.parse_args(["--num-draft-tokens", "0"]))
 
 
