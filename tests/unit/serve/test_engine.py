@@ -222,3 +222,40 @@ def test_a_store_that_cannot_be_reached_costs_reuse_not_completion(loaded: Loade
             assert event.output.token_ids == offline(loaded, PROMPTS[1], generation, mode), f"{mode} output changed"
     finally:
         engine.shutdown()
+
+
+class SlowReads:
+    """A store whose reads take `delay_s` (a slow link); lookups stay fast."""
+
+    def __init__(self, inner: object, delay_s: float) -> None:
+        self.inner, self.delay_s = inner, delay_s
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def get(self, key: str) -> bytes | None:
+        time.sleep(self.delay_s)
+        return self.inner.get(key)  # type: ignore[attr-defined, no-any-return]
+
+
+def test_a_request_waiting_for_its_fetch_does_not_block_the_queue(loaded: LoadedModel) -> None:
+    config = ServeConfig(prefix_store="memory://", prefix_chunk_tokens=8, max_num_seqs=2)
+    engine = ServeEngine(loaded, config, LosslessConfig(compressors.create("snapkv", budget=12)))
+    try:
+        assert engine.prefixes is not None
+        engine.prefixes.store = SlowReads(engine.prefixes.store, delay_s=0.5)  # type: ignore[assignment]
+        generation = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+        run_one(engine, PROMPTS[2], generation, "plain")
+        engine.prefixes.get(None).flush()
+        collector = Collector()
+        engine.submit(make_request(collector, 0, PROMPTS[2], generation))  # its 3 stored chunks take >= 1.5 s
+        engine.submit(make_request(collector, 1, PROMPTS[3], generation))  # nothing stored: ready at once
+        fetched, fresh = collector.wait(0), collector.wait(1)
+        assert isinstance(fetched, FinishedEvent) and isinstance(fresh, FinishedEvent)
+        assert fetched.stats.cached_tokens == 24, "32 tokens hold 3 reusable 8-token chunks"
+        with collector.lock:
+            finished_order = [tag for tag, event in collector.log if isinstance(event, FinishedEvent)]
+        assert finished_order == [1, 0], "the request that needed no fetch waited behind the one fetching"
+        assert fetched.output.token_ids == offline(loaded, PROMPTS[2], generation, "plain")
+    finally:
+        engine.shutdown()
