@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-# Packages whose import registers components (each adds itself as its issue lands).
+# Packages whose import registers components in their registries.
 COMPONENT_PACKAGES: tuple[str, ...] = ("kvlab.compress", "kvlab.codec", "kvlab.bench", "kvlab.store")
 
 

@@ -9,6 +9,9 @@ the stored tokens with the same kernel as the full cache:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, ClassVar
+
 import torch
 
 from kvlab.cache.kv_cache import FullKVLayer, KVLayer
@@ -42,12 +45,20 @@ def _context(compressor: Compressor, queries: torch.Tensor, row: int, scaling: f
     return CompressionContext(observed, scaling, layer_idx)
 
 
-class EvictedKVLayer(FullKVLayer):
-    """Kept prompt tokens (compacted, in order) followed by the tokens generated afterwards."""
+class CompressedKVLayer(FullKVLayer):
+    """What both kinds of compressed layer share: the compressor, and per-row state kept in lists.
+
+    Subclasses name their per-row lists in `row_state` (name -> factory of a row's empty value); this
+    base creates them, keeps them in step with `select_rows`, copies them in `copy_row_from` and
+    builds `empty_like` layers, so a subclass writes only its storage logic.
+    """
+
+    row_state: ClassVar[dict[str, Callable[[], Any]]] = {}
+    compressor: Compressor
 
     def __init__(
         self,
-        compressor: EvictionCompressor,
+        compressor: Compressor,
         batch_size: int,
         num_kv_heads: int,
         head_dim: int,
@@ -57,8 +68,35 @@ class EvictedKVLayer(FullKVLayer):
     ) -> None:
         super().__init__(batch_size, num_kv_heads, head_dim, capacity, dtype, device)
         self.compressor = compressor
-        self.prompt_nbytes = [0] * batch_size
-        self.prompt_lengths = [0] * batch_size
+        for name, empty in self.row_state.items():
+            setattr(self, name, [empty() for _ in range(batch_size)])
+
+    def select_rows(self, rows: list[int]) -> None:
+        super().select_rows(rows)
+        for name in self.row_state:
+            state = getattr(self, name)
+            setattr(self, name, [state[row] for row in rows])
+
+    def empty_like(self, batch_size: int, capacity: int) -> CompressedKVLayer:
+        heads, dim = self.keys.shape[1], self.keys.shape[3]
+        return type(self)(self.compressor, batch_size, heads, dim, capacity, self.keys.dtype, self.keys.device)
+
+    def copy_row_from(self, source: KVLayer, source_row: int, row: int) -> None:
+        assert type(source) is type(self)
+        super().copy_row_from(source, source_row, row)
+        for name in self.row_state:
+            value = getattr(source, name)[source_row]
+            # Block lists are per row: the copy gets its own list (the blocks themselves are immutable).
+            getattr(self, name)[row] = list(value) if isinstance(value, list) else value
+
+
+class EvictedKVLayer(CompressedKVLayer):
+    """Kept prompt tokens (compacted, in order) followed by the tokens generated afterwards."""
+
+    row_state = {"prompt_nbytes": int, "prompt_lengths": int}
+    compressor: EvictionCompressor
+    prompt_nbytes: list[int]
+    prompt_lengths: list[int]
 
     def compress_prompt(self, queries: torch.Tensor, scaling: float, layer_idx: int) -> None:
         for row in range(len(self.lengths)):
@@ -78,28 +116,14 @@ class EvictedKVLayer(FullKVLayer):
                 raise ValueError(f"row {row}: cannot roll back into the compressed prompt")
         super().drop_last(counts)
 
-    def select_rows(self, rows: list[int]) -> None:
-        super().select_rows(rows)
-        self.prompt_nbytes = [self.prompt_nbytes[row] for row in rows]
-        self.prompt_lengths = [self.prompt_lengths[row] for row in rows]
-
     def nbytes(self) -> int:
         heads, dim = self.keys.shape[1], self.keys.shape[3]
         generated = sum(length - prompt for length, prompt in zip(self.lengths, self.prompt_lengths))
         return sum(self.prompt_nbytes) + full_kv_nbytes(generated, heads, dim)
 
-    def empty_like(self, batch_size: int, capacity: int) -> EvictedKVLayer:
-        heads, dim = self.keys.shape[1], self.keys.shape[3]
-        return EvictedKVLayer(self.compressor, batch_size, heads, dim, capacity, self.keys.dtype, self.keys.device)
-
-    def copy_row_from(self, source: KVLayer, source_row: int, row: int) -> None:
-        assert isinstance(source, EvictedKVLayer)
-        super().copy_row_from(source, source_row, row)
-        self.prompt_nbytes[row] = source.prompt_nbytes[source_row]
-        self.prompt_lengths[row] = source.prompt_lengths[source_row]
 
 
-class QuantizedKVLayer(FullKVLayer):
+class QuantizedKVLayer(CompressedKVLayer):
     """Quantized blocks of the oldest tokens plus a full-precision residual window.
 
     The buffers inherited from `FullKVLayer` are the working copy attention reads: quantized slots hold
@@ -107,23 +131,13 @@ class QuantizedKVLayer(FullKVLayer):
     slots hold the exact values. `nbytes()` counts the blocks and the residual only.
     """
 
-    def __init__(
-        self,
-        compressor: QuantizationCompressor,
-        batch_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        capacity: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        super().__init__(batch_size, num_kv_heads, head_dim, capacity, dtype, device)
-        self.compressor = compressor
-        self.key_blocks: list[list[QuantizedBlock]] = [[] for _ in range(batch_size)]
-        self.value_blocks: list[list[QuantizedBlock]] = [[] for _ in range(batch_size)]
-        self.quantized_lengths = [0] * batch_size
-        self.active = [False] * batch_size
-        self.layer_idx = 0
+    row_state = {"key_blocks": list, "value_blocks": list, "quantized_lengths": int, "active": bool}
+    compressor: QuantizationCompressor
+    key_blocks: list[list[QuantizedBlock]]
+    value_blocks: list[list[QuantizedBlock]]
+    quantized_lengths: list[int]
+    active: list[bool]
+    layer_idx: int = 0
 
     def compress_prompt(self, queries: torch.Tensor, scaling: float, layer_idx: int) -> None:
         self.layer_idx = layer_idx
@@ -172,13 +186,6 @@ class QuantizedKVLayer(FullKVLayer):
                 )
         super().drop_last(counts)
 
-    def select_rows(self, rows: list[int]) -> None:
-        super().select_rows(rows)
-        self.key_blocks = [self.key_blocks[row] for row in rows]
-        self.value_blocks = [self.value_blocks[row] for row in rows]
-        self.quantized_lengths = [self.quantized_lengths[row] for row in rows]
-        self.active = [self.active[row] for row in rows]
-
     def nbytes(self) -> int:
         heads, dim = self.keys.shape[1], self.keys.shape[3]
         blocks = sum(block.nbytes() for row in self.key_blocks + self.value_blocks for block in row)
@@ -192,15 +199,7 @@ class QuantizedKVLayer(FullKVLayer):
         )
 
     def empty_like(self, batch_size: int, capacity: int) -> QuantizedKVLayer:
-        heads, dim = self.keys.shape[1], self.keys.shape[3]
-        layer = QuantizedKVLayer(self.compressor, batch_size, heads, dim, capacity, self.keys.dtype, self.keys.device)
+        layer = super().empty_like(batch_size, capacity)
+        assert isinstance(layer, QuantizedKVLayer)
         layer.layer_idx = self.layer_idx
         return layer
-
-    def copy_row_from(self, source: KVLayer, source_row: int, row: int) -> None:
-        assert isinstance(source, QuantizedKVLayer)
-        super().copy_row_from(source, source_row, row)
-        self.key_blocks[row] = list(source.key_blocks[source_row])
-        self.value_blocks[row] = list(source.value_blocks[source_row])
-        self.quantized_lengths[row] = source.quantized_lengths[source_row]
-        self.active[row] = source.active[source_row]
