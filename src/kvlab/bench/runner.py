@@ -187,6 +187,7 @@ def run_cell(
     records = [record for record in stored if record["id"] in wanted]
     done = {record["id"] for record in records}
     generation = GenerationConfig(max_new_tokens=item.task.generation_length, stop_strings=item.task.stop_strings)
+    selections: dict[str, dict[int, torch.Tensor]] = {}  # per document: the kept positions per layer at turn 1
     with _shared_context_store(loaded, item.task) as prefix:
         for sample, prompt in zip(item.data.samples, item.prompts):
             if sample.id in done:
@@ -194,7 +195,7 @@ def run_cell(
             if method.label not in warmed:
                 warm_up(loaded, method, prompt)
                 warmed.add(method.label)
-            run = SampleRun(method, _turn_compressor(item, method, sample, prompt), prefix)
+            run = _sample_run(item, method, sample, prompt, prefix, selections)
             record = measure_sample(loaded, run, item.task, sample, prompt, generation, config.repeats)
             if prefix is not None:
                 prefix.flush()  # the next turn reuses what this one saved
@@ -240,16 +241,27 @@ def _shared_context_store(loaded: LoadedModel, task: Task) -> Iterator[PrefixCac
         prefix.close()
 
 
-def _turn_compressor(item: PreparedTask, method: BenchMethod, sample: Sample, prompt: list[int]) -> Compressor | None:
-    """The method's compressor; for a later turn of a conversation, one that keeps turn 1's compression."""
+def _sample_run(
+    item: PreparedTask,
+    method: BenchMethod,
+    sample: Sample,
+    prompt: list[int],
+    prefix: PrefixCache | None,
+    selections: dict[str, dict[int, torch.Tensor]],
+) -> SampleRun:
+    """How a sample runs; a later turn of a conversation keeps turn 1's compression and reuses the store."""
     compressor = method.build_compressor()
     if not item.task.shared_context:
-        return compressor
-    document = sample.extra["document"]
+        return SampleRun(method, compressor)
+    document, turn = sample.extra["document"], sample.extra["turn"]
+    if turn == 1:
+        selections[document] = {}
     first = next(
         p for s, p in zip(item.data.samples, item.prompts) if s.extra["document"] == document and s.extra["turn"] == 1
     )
-    return compressor_for_turn(compressor, first, prompt)
+    # A resumed conversation whose turn 1 ran in an earlier process has no record: it compresses anew.
+    recorded = selections.setdefault(document, {})
+    return SampleRun(method, compressor_for_turn(compressor, recorded, first, prompt), prefix if turn > 1 else None)
 
 
 def measure_sample(
@@ -292,12 +304,14 @@ def _lossless_summary(lossless_stats: list[Any]) -> dict[str, Any] | None:
     first = lossless_stats[0]
     if first is None:
         return None
-    return {"acceptance_length": first.acceptance_length, "rounds": first.rounds, "draft_tokens": first.num_draft_tokens}
+    return {
+        "acceptance_length": first.acceptance_length,
+        "rounds": first.rounds,
+        "draft_tokens": first.num_draft_tokens,
+    }
 
 
-def cell_fingerprint(
-    model: str, task: Task, method: BenchMethod, config: BenchConfig, revision: str
-) -> dict[str, Any]:
+def cell_fingerprint(model: str, task: Task, method: BenchMethod, config: BenchConfig, revision: str) -> dict[str, Any]:
     """What a cell's results depend on, code revision included; a folder made with another is never mixed in."""
     return {
         "code_revision": revision,
@@ -312,7 +326,11 @@ def cell_fingerprint(
 
 def _finished_metrics(directory: Path, fingerprint: dict[str, Any], num_samples: int) -> dict[str, Any] | None:
     metrics = results.read_json(directory / results.METRICS_FILE)
-    if isinstance(metrics, dict) and metrics.get("fingerprint") == fingerprint and metrics.get("num_samples") == num_samples:
+    if (
+        isinstance(metrics, dict)
+        and metrics.get("fingerprint") == fingerprint
+        and metrics.get("num_samples") == num_samples
+    ):
         return metrics
     return None
 

@@ -28,23 +28,30 @@ def test_turns_share_the_document_and_carry_earlier_answers() -> None:
     assert f"Question: {question_1}\nAnswer: {first.references[0]}\n\n" in second.prompt
 
 
-def test_compressed_once_keeps_the_first_turns_selection_and_every_later_token() -> None:
+def test_compressed_once_replays_the_first_turns_selection_and_keeps_every_later_token() -> None:
     generator = torch.Generator().manual_seed(0)
     queries, keys, values = (torch.randn(n, 40, 16, generator=generator) for n in (4, 2, 2))
     snapkv = create_compressor("snapkv", budget=12, window_size=4, kernel_size=3)
-    context = CompressionContext(queries, 0.25, 0)
-    at_turn_1 = snapkv.compress(keys[:, :30], values[:, :30], CompressionContext(queries[:, :30], 0.25, 0))
-    later = CompressedOnce(inner=snapkv, num_tokens=30).compress(keys, values, context)
-    assert later.kept_indices.shape == (2, 12 + 10)
-    assert torch.equal(later.kept_indices[:, :12], at_turn_1.kept_indices)
-    assert torch.equal(later.kept_indices[:, 12:], torch.arange(30, 40).expand(2, 10))
+    selections: dict[int, torch.Tensor] = {}
+    turn_1 = CompressedOnce(inner=snapkv, selections=selections)
+    first = turn_1.compress(keys[:, :32], values[:, :32], CompressionContext(queries[:, :32], 0.25, 0))
+    assert torch.equal(
+        first.kept_indices,
+        snapkv.compress(keys[:, :32], values[:, :32], CompressionContext(queries[:, :32], 0.25, 0)).kept_indices,
+    )
+    # Turn 2 shares 30 tokens with turn 1: turn 1's kept positions below 30, then all of 30..39.
+    later = CompressedOnce(inner=snapkv, selections=selections, num_tokens=30).compress(
+        keys, values, CompressionContext(queries[:, -5:], 0.25, 0)
+    )
+    expected_shared = [head[head < 30] for head in first.kept_indices]
+    assert torch.equal(later.kept_indices[:, : len(expected_shared[0])], torch.stack(expected_shared))
+    assert torch.equal(later.kept_indices[:, len(expected_shared[0]) :], torch.arange(30, 40).expand(2, 10))
 
 
-def test_compressor_for_turn_wraps_eviction_only_after_turn_1() -> None:
+def test_compressor_for_turn_wraps_eviction_only() -> None:
     snapkv, kivi = create_compressor("snapkv"), create_compressor("kivi", bits=2)
-    assert compressor_for_turn(snapkv, [1, 2, 3], [1, 2, 3]) is snapkv
-    assert compressor_for_turn(kivi, [1, 2, 3], [1, 2, 9, 9]) is kivi
-    wrapped = compressor_for_turn(snapkv, [1, 2, 3], [1, 2, 9, 9])
+    assert compressor_for_turn(kivi, {}, [1, 2, 3], [1, 2, 9, 9]) is kivi
+    wrapped = compressor_for_turn(snapkv, {}, [1, 2, 3], [1, 2, 9, 9])
     assert isinstance(wrapped, CompressedOnce) and wrapped.num_tokens == 2 == shared_prefix_length([1, 2, 3], [1, 2, 9])
 
 
@@ -55,18 +62,19 @@ def test_num_turns_is_validated() -> None:
 
 def test_runner_reports_quality_and_fidelity_per_turn(tmp_path: Path) -> None:
     config = BenchConfig(
-        tasks=({"name": "multiturn_squad", "context_tokens": 300, "num_turns": 2, "max_new_tokens": 3},),
-        methods=(parse_method("snapkv-75"), parse_method("lossless-snapkv-75")),
-        samples=2,
+        tasks=({"name": "multiturn_squad", "context_tokens": 300, "num_turns": 3, "max_new_tokens": 3},),
+        methods=(parse_method("snapkv-75"), parse_method("snapkv_agnostic-75"), parse_method("lossless-snapkv-75")),
+        samples=3,
         out=str(tmp_path),
         models=("tiny",),
         warmup=False,
     )
     cells = {cell["method"]: cell for cell in run_benchmark(config, loaded_models={"tiny": tiny_llama()})}
     for label, cell in cells.items():
-        assert sorted(cell["per_turn"]) == ["1", "2"], label
+        assert sorted(cell["per_turn"]) == ["1", "2", "3"], label
     # Lossless drafting from a cache compressed at turn 1 still reproduces full KV at every turn.
     assert all(turn["output_exact_match"] == 1.0 for turn in cells["lossless-snapkv-75"]["per_turn"].values())
     records = read_predictions(tmp_path / "tiny" / "multiturn_squad" / "lossless-snapkv-75" / PREDICTIONS_FILE)
-    assert [record["turn"] for record in records] == [1, 2]
-    assert records[1]["stats"]["prefix_reused_tokens"] > 0, "turn 2 must restore turn 1's tokens from the store"
+    assert [record["turn"] for record in records] == [1, 2, 3]
+    # Turn 1 runs without the store (its compressor sees every query); turn 2 saves; turn 3 restores.
+    assert records[2]["stats"]["prefix_reused_tokens"] > 0, "turn 3 must restore turn 2's tokens from the store"
