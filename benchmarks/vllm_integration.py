@@ -1,0 +1,338 @@
+"""kvlab inside vLLM: TTFT of a restored shared prefix, bytes stored per token, and decode speed of
+speculative decoding with kvlab's compressed-cache drafter against vLLM's own proposers.
+
+Usage: .venv-vllm/bin/python benchmarks/vllm_integration.py [--prefix-tokens 4096] [--new-tokens 64]
+           [--chunk-tokens 256] [--num-speculative-tokens 4] [--drafter '{"name": "snapkv", "budget": 512}']
+           [--rows ...] [--compile] [--json PATH]
+
+Every row runs its engines in fresh processes (vLLM keeps one KV connector per process), on the same
+prompt: the embedded model's document, `--prefix-tokens` long, greedy. Rows:
+  vllm cold                 a fresh engine computes the prompt (after a short unrelated warm-up request)
+  vllm prefix cache         the same engine serves the prompt a second time from its in-memory prefix cache
+  vllm + ExampleConnector   one engine saves the prompt's KV with vLLM's ExampleConnector (files), a
+                            fresh engine restores it
+  kvlab file:// exact       the same with KVLabConnector over a file:// store, bit-exact codec
+  kvlab redis:// exact      ... over a loopback redis-server the benchmark starts
+  kvlab redis:// adaptive   ... exact, int8 and int4 stored, kvlab's per-chunk planner picks
+  decode: vllm plain / ngram / draft_model (the same SmolLM2 drafting) / kvlab proposer (compressed
+  cache drafting, `--drafter`): tokens/s after the first token, and vLLM's acceptance counters
+`ttft_s` is the wall time of a one-token request; `identical` compares the `--new-tokens` greedy tokens
+with the cold engine's; `bytes_per_token` is what the connector stored divided by the tokens it
+covers. The kvlab proposer row adds where its time goes (its own prefill, catch-up, drafting).
+Timings are only comparable within one run on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CONNECTOR_ROWS = ["vllm cold", "vllm prefix cache", "vllm + ExampleConnector", "kvlab file:// exact",
+                  "kvlab redis:// exact", "kvlab redis:// adaptive"]
+DECODE_ROWS = ["decode: vllm plain", "decode: ngram", "decode: draft_model", "decode: kvlab proposer"]
+ADAPTIVE = ("exact", "int8", "int4")
+
+
+def engine(args: argparse.Namespace, **options: Any) -> Any:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM
+
+    from kvlab.integrations.vllm.model import model_directory
+
+    options.setdefault("enable_prefix_caching", False)
+    return LLM(model=model_directory(), dtype="float32", max_model_len=args.prefix_tokens + args.new_tokens + 64,
+               enforce_eager=not args.compile, max_num_seqs=1, seed=0, disable_log_stats=False, **options)
+
+
+def run(llm: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
+    output = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+    return list(output.outputs[0].token_ids), time.perf_counter() - started
+
+
+def warm_up(llm: Any) -> None:
+    run(llm, list(range(100, 164)), 2)
+
+
+def connector_options(args: argparse.Namespace, row: str, where: str) -> dict[str, Any]:
+    from vllm.config import KVTransferConfig
+
+    if row == "vllm + ExampleConnector":
+        return {"kv_transfer_config": KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                                                       kv_connector_extra_config={"shared_storage_path": where})}
+    extra: dict[str, Any] = {"store": where, "chunk_tokens": args.chunk_tokens}
+    extra.update({"write": list(ADAPTIVE), "fetch": list(ADAPTIVE)} if "adaptive" in row else {"allow_recompute": False})
+    return {"kv_transfer_config": KVTransferConfig(kv_connector="KVLabConnector", kv_role="kv_both",
+                                                   kv_connector_module_path="kvlab.integrations.vllm",
+                                                   kv_connector_extra_config=extra)}
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    """One engine's part of a row, in this (fresh) process."""
+    prompt: list[int] = json.loads(Path(args.prompt_file).read_text())
+    row, phase = args.child, args.phase
+    if row.startswith("decode:"):
+        return decode_child(args, prompt)
+    options: dict[str, Any] = {}
+    if row == "vllm prefix cache":
+        options["enable_prefix_caching"] = True
+    elif row != "vllm cold":
+        options = connector_options(args, row, args.where)
+    llm = engine(args, **options)
+    warm_up(llm)
+    if phase == "save" or row == "vllm prefix cache":
+        run(llm, prompt, 1)
+        if phase == "save":
+            shutdown(llm)
+            return {}
+    _, ttft_s = run(llm, prompt, 1)
+    tokens, _ = run(llm, prompt, args.new_tokens)
+    shutdown(llm)
+    return {"ttft_s": ttft_s, "tokens": tokens}
+
+
+def decode_child(args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
+    from kvlab.integrations.vllm.model import model_directory
+
+    kind = args.child.removeprefix("decode: ")
+    k = args.num_speculative_tokens
+    options: dict[str, Any] = {}
+    if kind == "ngram":
+        options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+                                         "prompt_lookup_min": 2}
+    elif kind == "draft_model":
+        options["speculative_config"] = {"method": "draft_model", "model": model_directory(), "num_speculative_tokens": k}
+    elif kind == "kvlab proposer":
+        os.environ["KVLAB_VLLM_DRAFTER"] = args.drafter
+        options["speculative_config"] = {"method": "custom_class", "num_speculative_tokens": k,
+                                         "model": "kvlab.integrations.vllm.KVLabDraftProposer"}
+    llm = engine(args, **options)
+    warm_up(llm)
+    _, ttft_s = run(llm, prompt, 1)
+    proposer = _proposer(llm)
+    before = _counters(llm)
+    if proposer is not None:
+        proposer.stats = type(proposer.stats)()  # count the measured request only
+    tokens, total_s = run(llm, prompt, args.new_tokens)
+    after = _counters(llm)
+    result: dict[str, Any] = {"ttft_s": ttft_s, "tokens": tokens,
+                              "decode_tokens_per_s": (len(tokens) - 1) / max(total_s - ttft_s, 1e-9)}
+    drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
+    drafted = after.get("num_draft_tokens", 0) - before.get("num_draft_tokens", 0)
+    accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
+    if drafted:
+        result.update(acceptance_rate=accepted / drafted, acceptance_length=1 + accepted / max(drafts, 1))
+    if proposer is not None:
+        stats = proposer.stats
+        result["proposer"] = {"total_s": stats.total_s, "prefill_s": stats.prefill_s, "catch_up_s": stats.catch_up_s,
+                              "draft_s": stats.draft_s, "request_wall_s": total_s}
+    shutdown(llm)
+    return result
+
+
+def _proposer(llm: Any) -> Any:
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    drafter = getattr(runner, "drafter", None)
+    return drafter if hasattr(drafter, "stats") else None
+
+
+def _counters(llm: Any) -> dict[str, float]:
+    prefix = "vllm:spec_decode_"
+    return {metric.name.removeprefix(prefix): float(metric.value) for metric in llm.get_metrics()
+            if metric.name.startswith(prefix) and hasattr(metric, "value")}
+
+
+def shutdown(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+
+
+# ----- the parent: one child process per engine
+
+
+def spawn(args: argparse.Namespace, row: str, phase: str, where: str = "") -> dict[str, Any]:
+    command = [sys.executable, __file__, "--child", row, "--phase", phase, "--where", where,
+               "--prompt-file", args.prompt_file, "--prefix-tokens", str(args.prefix_tokens),
+               "--new-tokens", str(args.new_tokens), "--chunk-tokens", str(args.chunk_tokens),
+               "--num-speculative-tokens", str(args.num_speculative_tokens), "--drafter", args.drafter]
+    if args.compile:
+        command.append("--compile")
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"{row} ({phase}) failed:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1])  # type: ignore[no-any-return]
+
+
+def _example_folder(where: str) -> Path:
+    """ExampleConnector's folder (one per prompt) holding the most bytes: the measured prompt's."""
+    return max((path for path in Path(where).iterdir() if path.is_dir()),
+               key=lambda folder: sum(f.stat().st_size for f in folder.glob("*.safetensors")))
+
+
+def stored_bytes(row: str, where: str) -> int:
+    if row == "vllm + ExampleConnector":
+        return sum(path.stat().st_size for path in _example_folder(where).glob("*.safetensors"))
+    from kvlab.store import create_store
+
+    store = create_store(where)
+    try:
+        listed = store.keys()
+        return sum(store.nbytes(key) or 0 for key in listed)
+    finally:
+        store.close()
+
+
+def stored_tokens(args: argparse.Namespace, row: str, where: str) -> int:
+    if row == "vllm + ExampleConnector":
+        from safetensors import safe_open
+
+        # One file per layer, [tokens, ...]: ExampleConnector stores the prompt's block-aligned head.
+        with safe_open(str(next(_example_folder(where).glob("*.safetensors"))), "pt") as file:
+            return int(file.get_slice("kv_cache").get_shape()[0])
+    # The prompt's complete chunks, the one holding its last token included (as `kvlab generate` saves).
+    return args.prefix_tokens // args.chunk_tokens * args.chunk_tokens
+
+
+def connector_row(args: argparse.Namespace, row: str, workdir: Path, redis_url: str) -> dict[str, Any]:
+    where = ""
+    if row == "vllm + ExampleConnector":
+        where = str(workdir / "example")
+    elif row.startswith("kvlab file://"):
+        where = f"file://{workdir / 'kvlab-store'}"
+    elif row.startswith("kvlab redis://"):
+        where = redis_url
+        _flush(redis_url)
+    bytes_per_token = None
+    if where:
+        spawn(args, row, "save", where)
+        bytes_per_token = stored_bytes(row, where) / stored_tokens(args, row, where)
+    measured = spawn(args, row, "measure", where)
+    return {"setting": row, "ttft_s": measured["ttft_s"], "decode_tokens_per_s": None,
+            "bytes_per_token": bytes_per_token, "tokens": measured["tokens"]}
+
+
+def _flush(url: str) -> None:
+    import redis
+
+    with redis.Redis.from_url(url) as client:
+        client.flushdb()
+
+
+def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    import socket
+
+    import redis
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
+                               "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    for _ in range(100):
+        try:
+            with redis.Redis.from_url(url) as client:
+                client.ping()
+            return server, url
+        except redis.exceptions.ConnectionError:
+            time.sleep(0.05)
+    server.terminate()
+    raise RuntimeError("redis-server did not start (run scripts/ensure-redis-server)")
+
+
+def parent(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from transformers import AutoTokenizer
+
+    from kvlab.data import document_token_ids
+    from kvlab.integrations.vllm.model import model_directory
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvlab-vllm-bench-"))
+    prompt = document_token_ids(AutoTokenizer.from_pretrained(model_directory()), args.prefix_tokens)
+    args.prompt_file = str(workdir / "prompt.json")
+    Path(args.prompt_file).write_text(json.dumps(prompt))
+    server, redis_url = start_redis(workdir)
+    rows: list[dict[str, Any]] = []
+    try:
+        for row in args.rows:
+            print(f"running {row} ...", file=sys.stderr, flush=True)
+            if row.startswith("decode:"):
+                rows.append({"setting": row, "bytes_per_token": None, **spawn(args, row, "measure")})
+            else:
+                rows.append(connector_row(args, row, workdir, redis_url))
+    finally:
+        server.terminate()
+        server.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+    reference = next((r["tokens"] for r in rows if r["setting"] in ("vllm cold", "decode: vllm plain")), None)
+    for row in rows:
+        row["identical"] = None if reference is None else row.pop("tokens") == reference
+        row.pop("tokens", None)
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    cold = next((r["ttft_s"] for r in rows if r["setting"] == "vllm cold"), None)
+    example = next((r["bytes_per_token"] for r in rows if r["setting"] == "vllm + ExampleConnector"), None)
+    plain = next((r["decode_tokens_per_s"] for r in rows if r["setting"] == "decode: vllm plain"), None)
+    print("| setting | TTFT s | TTFT / cold | bytes/token | bytes / Example | decode tok/s | / plain | acceptance | identical |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        def ratio(value: float | None, base: float | None) -> str:
+            return f"{value / base:.2f}x" if value is not None and base else "-"
+
+        bytes_text = f"{r['bytes_per_token']:.0f}" if r["bytes_per_token"] is not None else "-"
+        decode = r["decode_tokens_per_s"]
+        acceptance = f"{r['acceptance_rate']:.2f} (len {r['acceptance_length']:.2f})" if "acceptance_rate" in r else "-"
+        print(f"| {r['setting']} | {r['ttft_s']:.2f} | {ratio(r['ttft_s'], cold)} | {bytes_text} | "
+              f"{ratio(r['bytes_per_token'], example)} | {f'{decode:.2f}' if decode else '-'} | {ratio(decode, plain)} | "
+              f"{acceptance} | {r['identical']} |")
+    for r in rows:
+        if "proposer" in r:
+            p = r["proposer"]
+            print(f"\nkvlab proposer, measured request ({p['request_wall_s']:.2f} s wall): proposer "
+                  f"{p['total_s']:.2f} s = its own prefill {p['prefill_s']:.2f} + catch-up {p['catch_up_s']:.2f} "
+                  f"+ drafting {p['draft_s']:.2f} (+ bookkeeping)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prefix-tokens", type=int, default=4096)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--drafter", default='{"name": "snapkv", "budget": 512}', help="kvlab compressor, JSON")
+    parser.add_argument("--rows", nargs="+", default=CONNECTOR_ROWS + DECODE_ROWS, choices=CONNECTOR_ROWS + DECODE_ROWS,
+                        help="rows to run (default: all; 'vllm cold' is the reference of the others)")
+    parser.add_argument("--compile", action="store_true", help="let vLLM compile the model (default: eager)")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--phase", default="measure", help=argparse.SUPPRESS)
+    parser.add_argument("--where", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--prompt-file", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)), flush=True)
+        return 0
+    rows = parent(args)
+    print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
