@@ -24,10 +24,10 @@ from kvlab.models import LoadedModel, load_model
 
 METHODS: list[tuple[str, str | None, dict[str, object]]] = [
     ("full", None, {}),
-    ("snapkv-0.9", "snapkv", {"compression_ratio": 0.9}),
-    ("h2o-0.9", "h2o", {"compression_ratio": 0.9}),
-    ("streamingllm-0.9", "streamingllm", {"compression_ratio": 0.9}),
-    ("cam-0.9", "cam", {"compression_ratio": 0.9}),
+    ("snapkv-90", "snapkv", {"compression_ratio": 0.9}),
+    ("h2o-90", "h2o", {"compression_ratio": 0.9}),
+    ("streamingllm-90", "streamingllm", {"compression_ratio": 0.9}),
+    ("cam-90", "cam", {"compression_ratio": 0.9}),
     ("kivi-4", "kivi", {"bits": 4}),
     ("kivi-2", "kivi", {"bits": 2}),
     ("turboquant-4", "turboquant", {"bits": 4}),

@@ -33,6 +33,12 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     return sorted(front, key=lambda i: points[i][0])
 
 
+def front_to_draw(points: Sequence[tuple[float, float]]) -> list[int]:
+    """The Pareto front's indices when it has at least `MIN_PARETO_POINTS` points, else none."""
+    front = pareto_front(points)
+    return front if len(front) >= MIN_PARETO_POINTS else []
+
+
 def method_points(cells: Sequence[dict[str, Any]]) -> dict[str, tuple[float, float]]:
     """Per method: (median decode tokens/s over tasks, mean primary quality over its scored tasks)."""
     by_method: dict[str, list[dict[str, Any]]] = {}
@@ -133,8 +139,8 @@ def _scatter(figure_class: Any, cells: Sequence[dict[str, Any]], title: str, pat
     axes.scatter([x for x, _ in coordinates], [y for _, y in coordinates], color="tab:blue", zorder=3)
     for name, (x, y) in zip(names, coordinates):
         axes.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    front = pareto_front(coordinates)
-    if len(front) >= MIN_PARETO_POINTS:
+    front = front_to_draw(coordinates)
+    if front:
         xs, ys = [coordinates[i][0] for i in front], [coordinates[i][1] for i in front]
         axes.plot(xs, ys, color="tab:red", linestyle="--", label="Pareto front", zorder=2)
         axes.legend()
