@@ -15,14 +15,13 @@ from __future__ import annotations
 import dataclasses
 import io
 import struct
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kvlab.codec import Codec, CodecError, ExpectedFrame, Lossless, StreamDecoder, codecs, create_codec
 from kvlab.errors import ConfigError
+from kvlab.timing import Stopwatch
 
 _MAGIC = b"KVPC"
 _HEADER = struct.Struct("<4sQ")
@@ -194,13 +193,11 @@ class TokenRestore:
 
 def decode_chunk_by_token(
     resolution: Resolution, data: bytes | memoryview, geometry: ChunkGeometry | None = None,
-    clock: Callable[[], float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, TokenRestore]:
     """`decode_chunk`, restoring each token as soon as it is decoded; with the buffer and timing it took.
 
     Codecs that do not decode token by token restore chunk by chunk here (their overlap is 0).
     """
-    now = clock or time.perf_counter
     expected = None if geometry is None else geometry.expected_frame()
     view = memoryview(data)
     if len(view) < _HEADER.size:
@@ -208,12 +205,12 @@ def decode_chunk_by_token(
     magic, key_length = _HEADER.unpack_from(view)
     if magic != _MAGIC or key_length > len(view) - _HEADER.size:
         raise CodecError("stored chunk has a bad header (not a kvlab prefix chunk, or truncated)")
-    start = now()
+    watch = Stopwatch()
     first: list[float] = []
 
     def on_token(restored: int, total: int) -> None:
         if not first:
-            first.append(now() - start)
+            first.append(watch.elapsed())
 
     tensors, peak = [], 0
     for frame, codec in ((view[_HEADER.size : _HEADER.size + key_length], resolution.key_codec()),
@@ -224,5 +221,5 @@ def decode_chunk_by_token(
         peak = max(peak, decoder.peak_buffer_bytes)
     if tensors[0].shape != tensors[1].shape:
         raise CodecError(f"stored chunk holds keys {tuple(tensors[0].shape)} but values {tuple(tensors[1].shape)}")
-    elapsed = now() - start
+    elapsed = watch.elapsed()
     return tensors[0], tensors[1], TokenRestore(peak, first[0] if first else elapsed, elapsed)
