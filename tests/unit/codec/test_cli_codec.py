@@ -95,3 +95,18 @@ def test_bench_reports_ratio_speed_and_error_per_codec() -> None:
     assert (results["raw"].lossless, results["q4"].lossless) == ("bit-exact", "codes")
     assert results["q4"].num_values == keys.numel() + values.numel()
     assert torch.isfinite(torch.tensor(results["q4"].bits_per_value))
+
+
+def test_encode_json_reports_bits_per_value_and_reduction_vs_fp16(
+    kv_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    frames = tmp_path / "kv.kvc"
+    assert main(["codec", "encode", str(kv_file), str(frames), "--codec", "quant_zstd", "--set", "bits=4", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["tensors"]
+    for row in rows:
+        num_values = 3 * 40 * 16
+        assert row["bits_per_value"] == pytest.approx(8 * row["bytes"] / num_values)
+        assert row["reduction_vs_fp16"] == pytest.approx(2 * num_values / row["bytes"])
+        assert "ratio" not in row
