@@ -154,7 +154,9 @@ class KVLabConnector(KVConnectorBase_V1):
         """Tokens past `num_computed_tokens` restored intact from the store; None while the fetch runs."""
         req_id = request.request_id
         prompt = list(request.prompt_token_ids or [])
-        if self.prefix.reusable_chunks(len(prompt)) * self.prefix.chunk_tokens <= num_computed_tokens:
+        if getattr(request, "skip_reading_prefix_cache", False) or \
+                self.prefix.reusable_chunks(len(prompt)) * self.prefix.chunk_tokens <= num_computed_tokens:
+            # vLLM would discard the count for a request that skips prefix caches: fetch nothing.
             return 0, False
         if req_id not in self._fetched:
             future = self._fetches.get(req_id)
