@@ -26,7 +26,9 @@ def render_report(out: str | Path) -> Path:
     if not cells:
         raise ConfigError(f"no finished benchmark cells in {directory} (run `kvlab bench --out {directory}` first)")
     lines = _header(directory)
-    models = list(dict.fromkeys(cell["model"] for cell in cells))
+    configured = (read_json(directory / "config.json") or {}).get("models", [])
+    found = dict.fromkeys(cell["model"] for cell in cells)
+    models = [model for model in configured if model in found] + [model for model in found if model not in configured]
     if len(models) > 1:
         lines += models_side_by_side(cells, models)
     for model in models:

@@ -42,11 +42,15 @@ def test_report_header_names_preset_models_and_each_tasks_lengths(results_folder
 
 
 def test_models_are_side_by_side_when_there_are_two(results_folder: Path) -> None:
+    config = json.loads((results_folder / "config.json").read_text()) | {"models": ["smollm2", "gemma3-270m"]}
+    write_json(results_folder / "config.json", config)
     cell = _cell("squad", "full", "full", 0.3, 10.0, 1.0) | {"model": "gemma3-270m"}
     write_json(cell_dir(results_folder, "gemma3-270m", "squad", "full") / METRICS_FILE, cell)
     report = render_report(results_folder).read_text()
     assert "## Models side by side" in report
-    assert "| method | smollm2 quality | smollm2 fidelity | smollm2 KV bytes | gemma3-270m quality |" in report
+    assert "| method | smollm2 quality | smollm2 fidelity | smollm2 KV bytes | gemma3-270m quality |" in report, (
+        "models in the configured order"
+    )
     assert (results_folder / "gemma3-270m_quality_by_task.png").is_file()
 
 
