@@ -68,12 +68,14 @@ def linear_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def attended_bytes(cache: KVCache) -> int:
-    """Bytes attention reads from a cache: every stored token's keys and values as held (a quantized
-    layer's dequantized working copy included)."""
+    """Bytes a decode step's attention reads from a cache: every stored token's keys and values as held
+    (a quantized layer's dequantized working copy included); a sliding-window layer reads its window."""
     total = 0
     for layer in cache.layers:
         keys = layer.keys  # type: ignore[attr-defined]
-        total += 2 * keys.shape[1] * sum(layer.lengths) * keys.shape[3] * keys.element_size()  # type: ignore[attr-defined]
+        window = layer.sliding_window
+        tokens = sum(length if window is None else min(length, window) for length in layer.lengths)  # type: ignore[attr-defined]
+        total += 2 * keys.shape[1] * tokens * keys.shape[3] * keys.element_size()
     return total
 
 

@@ -147,13 +147,17 @@ class FullKVLayer(KVLayer):
         window = self.sliding_window
         if window is not None and num_keys <= window:
             window = None
+        # Keys behind every query's window are not read at all (a decode step of a sliding layer reads
+        # `window` keys, not the whole sequence). Each row's queries are its newest q tokens, so the
+        # earliest query of any row sits at min(lengths) - q or later; indices and positions shift alike.
+        first = 0 if window is None else max(0, min(self.lengths) - queries.shape[2] - window + 1)
         # A drafter with lower-precision weights sends queries in its dtype; keys stay in the cache's.
         output = attend(
             queries.to(self.keys.dtype),
-            self.keys[:, :, :num_keys],
-            self.values[:, :, :num_keys],
-            query_positions,
-            self.lengths,
+            self.keys[:, :, first:num_keys],
+            self.values[:, :, first:num_keys],
+            query_positions - first if first else query_positions,
+            [length - first for length in self.lengths] if first else self.lengths,
             scaling,
             sliding_window=window,
             softcap=softcap,
