@@ -112,7 +112,7 @@ def _encode(args: argparse.Namespace) -> int:
         report.append({"tensor": name, "shape": list(tensor.shape), "dtype": str(tensor.dtype), "codec": codec.name,
                        "lossless": codec.lossless, "bytes": len(data),
                        "bits_per_value": 8 * len(data) / max(tensor.numel(), 1),
-                       "reduction_vs_fp16": 2 * tensor.numel() / max(len(data), 1)})
+                       "kv_bytes_ratio": 2 * tensor.numel() / max(len(data), 1)})
     save_file(frames, str(args.output), metadata={"format": FRAMES_FORMAT})
     _report(report, args.json)
     return EXIT_OK
@@ -178,6 +178,6 @@ def _report(rows: list[dict[str, Any]], as_json: bool) -> None:
         print_json({"tensors": rows})
         return
     for row in rows:
-        extra = f" -> {row['bytes']} bytes ({row['reduction_vs_fp16']:.2f}x vs fp16, {row['lossless']})" \
+        extra = f" -> {row['bytes']} bytes ({row['kv_bytes_ratio']:.2f}x vs fp16, {row['lossless']})" \
             if "bytes" in row else ""
         print(f"{row['tensor']}: {row['shape']} {row['dtype']}{extra}", file=sys.stdout)

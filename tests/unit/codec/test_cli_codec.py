@@ -90,14 +90,14 @@ def test_bench_reports_ratio_speed_and_error_per_codec() -> None:
     cases = [BenchCase("raw", "raw"), BenchCase("byteplane", "byteplane"), BenchCase("q4", "quant_zstd", {"bits": 4})]
     results = {r.label: r for r in bench_codecs(keys, values, cases)}
     assert all(r.verified for r in results.values())
-    assert results["raw"].reduction_vs_fp16 < 1.0 < results["byteplane"].reduction_vs_fp16 < results["q4"].reduction_vs_fp16
+    assert results["raw"].kv_bytes_ratio < 1.0 < results["byteplane"].kv_bytes_ratio < results["q4"].kv_bytes_ratio
     assert results["raw"].max_abs_error == 0.0 < results["q4"].max_abs_error
     assert (results["raw"].lossless, results["q4"].lossless) == ("bit-exact", "codes")
     assert results["q4"].num_values == keys.numel() + values.numel()
     assert torch.isfinite(torch.tensor(results["q4"].bits_per_value))
 
 
-def test_encode_json_reports_bits_per_value_and_reduction_vs_fp16(
+def test_encode_json_reports_bits_per_value_and_kv_bytes_ratio(
     kv_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import json
@@ -108,5 +108,5 @@ def test_encode_json_reports_bits_per_value_and_reduction_vs_fp16(
     for row in rows:
         num_values = 3 * 40 * 16
         assert row["bits_per_value"] == pytest.approx(8 * row["bytes"] / num_values)
-        assert row["reduction_vs_fp16"] == pytest.approx(2 * num_values / row["bytes"])
+        assert row["kv_bytes_ratio"] == pytest.approx(2 * num_values / row["bytes"])
         assert "ratio" not in row

@@ -66,7 +66,7 @@ def test_bounds_count_metadata_and_take_the_better_of_codes_and_residuals() -> N
         # keys: 32 bits per 128 tokens; values: 32 bits per token of 16 channels
         assert bound.metadata == pytest.approx((32 / 128 + 32 / 16) / 2)
         assert bound.best_bits_per_value >= min(bound.codes, bound.residuals) + bound.metadata - 1e-9
-        assert bound.reduction_vs_fp16 == pytest.approx(16 / bound.best_bits_per_value)
+        assert bound.kv_bytes_ratio == pytest.approx(16 / bound.best_bits_per_value)
 
 
 def synthetic_report() -> RateFidelityReport:

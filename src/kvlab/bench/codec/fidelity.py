@@ -74,7 +74,7 @@ class EntropyBound:
         residuals: `H(residual | channel)` after token-to-token prediction.
         metadata: Zero points and scales (fp16), per value.
         best_bits_per_value: `min(codes, residuals) + metadata`, per tensor, averaged.
-        reduction_vs_fp16: `16 / best_bits_per_value`: the most an order-0 per-channel coder reaches.
+        kv_bytes_ratio: `16 / best_bits_per_value`: the most an order-0 per-channel coder reaches.
     """
 
     bits: int
@@ -82,7 +82,7 @@ class EntropyBound:
     residuals: float
     metadata: float
     best_bits_per_value: float
-    reduction_vs_fp16: float
+    kv_bytes_ratio: float
 
 
 @dataclasses.dataclass(frozen=True)

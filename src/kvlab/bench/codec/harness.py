@@ -57,7 +57,7 @@ class CodecBenchStats:
     num_values: int
     encoded_bytes: int
     bits_per_value: float
-    reduction_vs_fp16: float
+    kv_bytes_ratio: float
     encode_mb_s: float  # MB (1e6 bytes) of fp16 input per second
     decode_mb_s: float
     max_abs_error: float
@@ -123,7 +123,7 @@ def _bench_case(case: BenchCase, keys: torch.Tensor, values: torch.Tensor) -> Co
         num_values=num_values,
         encoded_bytes=encoded_bytes,
         bits_per_value=8 * encoded_bytes / max(num_values, 1),
-        reduction_vs_fp16=2 * num_values / max(encoded_bytes, 1),
+        kv_bytes_ratio=2 * num_values / max(encoded_bytes, 1),
         encode_mb_s=fp16_mb / max(encode_s, 1e-9),
         decode_mb_s=fp16_mb / max(decode_s, 1e-9),
         max_abs_error=max_error,
