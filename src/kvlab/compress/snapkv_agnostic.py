@@ -62,9 +62,13 @@ class SnapKVAgnosticCompressor(EvictionCompressor):
 
 
 def observation_positions(num_context: int, count: int, device: torch.device | str) -> torch.Tensor:
-    """[<= count] int64 distinct positions spread evenly over 0..num_context-1, last one included."""
+    """[<= count] int64 distinct positions spread evenly over 0..num_context-1, last one included.
+
+    Computed on the host from the two sizes and copied over: `unique` on an accelerator would read its
+    result's length back (a device round trip), and there are only `count` of them.
+    """
     steps = min(count, num_context)
-    return torch.linspace(0, num_context - 1, steps, device=device).round().long().unique()
+    return torch.linspace(0, num_context - 1, steps).round().long().unique().to(device)
 
 
 def attention_from_positions(

@@ -68,8 +68,7 @@ def quantize(
         raise ValueError(f"bits must be one of {list(BITS)}, got {bits}")
     if group_size < 1:
         raise ValueError(f"group_size must be at least 1, got {group_size}")
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError("quantization needs finite inputs (found NaN or inf)")
+    require_finite(x, "quantization needs finite inputs (found NaN or inf)")
     axis = axis % x.dim()
     meta_dtype = meta_dtype or x.dtype
     groups, length = _grouped(x.float().movedim(axis, -1), group_size)
@@ -79,8 +78,7 @@ def quantize(
     else:
         zeros = _round_toward(groups.amin(dim=-1), meta_dtype, down=True)
         scales = _round_toward((groups.amax(dim=-1) - zeros.float()) / (2**bits - 1), meta_dtype, down=False)
-    if not bool(torch.isfinite(scales).all()):
-        raise ValueError(f"a group's range does not fit in {meta_dtype}")
+    require_finite(scales, f"a group's range does not fit in {meta_dtype}")
     safe_scales = torch.where(scales > 0, scales.float(), torch.ones_like(scales, dtype=torch.float32))
     codes = torch.round((groups - zeros.float()[..., None]) / safe_scales[..., None]).clamp_(0, 2**bits - 1)
     codes_flat = codes.to(torch.uint8).flatten(-2)[..., :length]
@@ -150,3 +148,17 @@ def _round_toward(values: torch.Tensor, dtype: torch.dtype, down: bool) -> torch
     direction = torch.full_like(rounded, -math.inf if down else math.inf)
     wrong_side = rounded.float() > values if down else rounded.float() < values
     return torch.where(wrong_side, torch.nextafter(rounded, direction), rounded)
+
+
+def require_finite(tensor: torch.Tensor, message: str) -> None:
+    """Raise `ValueError(message)` when `tensor` holds NaN or inf, without a device round trip.
+
+    On the CPU the check is a plain read. On CUDA it is queued on the device (`torch._assert_async`),
+    so it fails the stream instead of stalling it to bring a flag back; on devices without values
+    (meta) there is nothing to check.
+    """
+    if tensor.device.type == "cpu":
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(message)
+    elif tensor.device.type == "cuda":
+        torch._assert_async(torch.isfinite(tensor).all(), message)

@@ -35,7 +35,6 @@ HOST_STORAGE: dict[str, str] = {
 """Modules whose purpose is host storage, with why their `.numpy()` calls are not hidden round trips."""
 
 HOST_READS_ON_META: dict[str, str] = {
-    "kivi": "quant/groupwise.py quantize() checks finiteness with bool(torch.isfinite(x).all()), a host read",
 }
 """Methods that still read device data on the host, with where; each is a strict expected failure."""
 
