@@ -93,7 +93,7 @@ class CompressedKVLayer(FullKVLayer):
 class EvictedKVLayer(CompressedKVLayer):
     """Kept prompt tokens (compacted, in order) followed by the tokens generated afterwards."""
 
-    row_state = {"prompt_nbytes": int, "prompt_lengths": int}
+    row_state: ClassVar[dict[str, Callable[[], Any]]] = {"prompt_nbytes": int, "prompt_lengths": int}
     compressor: EvictionCompressor
     prompt_nbytes: list[int]
     prompt_lengths: list[int]
@@ -131,7 +131,9 @@ class QuantizedKVLayer(CompressedKVLayer):
     slots hold the exact values. `nbytes()` counts the blocks and the residual only.
     """
 
-    row_state = {"key_blocks": list, "value_blocks": list, "quantized_lengths": int, "active": bool}
+    row_state: ClassVar[dict[str, Callable[[], Any]]] = {
+        "key_blocks": list, "value_blocks": list, "quantized_lengths": int, "active": bool
+    }
     compressor: QuantizationCompressor
     key_blocks: list[list[QuantizedBlock]]
     value_blocks: list[list[QuantizedBlock]]

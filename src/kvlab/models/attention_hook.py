@@ -16,7 +16,6 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-
 ATTENTION_IMPLEMENTATION = "kvlab"
 
 

@@ -242,6 +242,7 @@ def test_a_corrupted_chunk_is_named_in_the_warning_and_rewritten(
     with caplog.at_level(logging.WARNING, logger="kvlab.store"):
         _, logits, reused = restored(model, PROMPT, make_cache(model, store))
     assert reused == 4 * CHUNK and not caplog.records
+    assert torch.equal(logits, reference(model, PROMPT)[1])
 
 
 def test_store_failing_mid_fetch_is_recomputed(model: LoadedModel, caplog: pytest.LogCaptureFixture) -> None:
