@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 
 from kvlab.compress.base import CompressionContext, compressors
-from kvlab.compress.eviction import ALWAYS_KEEP, EvictionCompressor, require_queries
-from kvlab.errors import ConfigError
+from kvlab.compress.eviction import ALWAYS_KEEP, require_queries
+from kvlab.compress.snapkv import SnapKVCompressor
 
 
 @compressors.register("snapkv_agnostic")
 @dataclasses.dataclass
-class SnapKVAgnosticCompressor(EvictionCompressor):
+class SnapKVAgnosticCompressor(SnapKVCompressor):
     """SnapKV (Li et al., 2024) with a generic observation window, so the selection ignores the question.
 
     Family: eviction. SnapKV scores the context by the attention of the prompt's last `window_size`
@@ -27,26 +26,15 @@ class SnapKVAgnosticCompressor(EvictionCompressor):
 
     Budget: `budget` (or the prompt minus `compression_ratio`) counts the kept last window too.
 
+    Hyper-parameters and their checks are SnapKV's; only the scoring differs.
+
     Deviations from SnapKV:
     - the observation window is spread over the context, not the prompt's end (the point of the
       variant; SCBench's query-agnostic setting, without KVzip's extra reconstruction forward);
     - GQA as in kvlab's SnapKV: attention averaged over the query heads of each KV head.
     """
 
-    observes_queries: ClassVar[bool] = True
-
     window_size: int = dataclasses.field(default=32, metadata={"help": "observing positions, and last tokens kept"})
-    kernel_size: int = dataclasses.field(default=7, metadata={"help": "pooling kernel over token scores (odd)"})
-    pooling: Literal["max", "avg"] = dataclasses.field(default="max", metadata={"help": "pooling of scores"})
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.window_size < 1:
-            raise ConfigError(f"window_size must be at least 1, got {self.window_size}")
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ConfigError(f"kernel_size must be a positive odd number, got {self.kernel_size}")
-        if self.pooling not in ("max", "avg"):
-            raise ConfigError(f"pooling must be one of: max, avg; got {self.pooling!r}")
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
         queries = require_queries(context, "snapkv_agnostic")
