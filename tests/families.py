@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from kvlab.models import LoadedModel, wrap_model
-from tests.conftest import TINY_EOS, TINY_VOCAB, tiny_tokenizer
+from tests.helpers import TINY_EOS, TINY_VOCAB, tiny_tokenizer
 
 TEST_DEVICE = os.environ.get("KVLAB_TEST_DEVICE", "cpu")
 """Where the matrix's models run (`scripts/gpu-check` sets it to the accelerator)."""

@@ -12,7 +12,7 @@ from kvlab.models import LoadedModel
 from kvlab.store import ChunkSealer, KVStore, create_store
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 from kvlab.store.resolution import RESOLUTIONS, decode_chunk
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 from tests.hostile.corpus import FOREIGN, MALFORMED, hostile_chunks
 
 CHUNK = 16

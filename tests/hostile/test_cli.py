@@ -14,7 +14,7 @@ from kvlab.cli.codec import FRAMES_FORMAT
 from kvlab.models import LoadedModel, load_model
 from kvlab.store import ChunkSealer, create_store
 from kvlab.store.prefix import PrefixCache, PrefixConfig
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 from tests.hostile.conftest import CASES, CHUNK, SECRET
 from tests.hostile.corpus import FOREIGN, MALFORMED, hostile_chunks, hostile_frames
 

@@ -12,7 +12,7 @@ from kvlab.cli import main
 from kvlab.data import document_token_ids
 from kvlab.generation import GenerationConfig, generate
 from kvlab.models import LoadedModel
-from tests.conftest import transformers_greedy
+from tests.helpers import transformers_greedy
 
 pytestmark = pytest.mark.integration
 

@@ -18,8 +18,8 @@ from kvlab.generation.prefill import prefill
 from kvlab.lossless import LosslessConfig, LosslessOutput, generate_lossless
 from kvlab.models import EMBEDDED_MODELS, LoadedModel, load_model
 from kvlab.store.prefix import PrefixCache, PrefixConfig
-from tests.conftest import transformers_greedy
 from tests.families import TEST_DEVICE
+from tests.helpers import transformers_greedy
 
 pytestmark = pytest.mark.integration
 

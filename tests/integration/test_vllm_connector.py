@@ -25,7 +25,7 @@ from kvlab.models import LoadedModel, load_model
 from kvlab.store import KVStore, create_store
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 from kvlab.store.resolution import RESOLUTIONS, encode_chunk
-from tests.conftest import RedisServer
+from tests.helpers import RedisServer
 from tests.integration.vllm.engines import BLOCK_SIZE, greedy, make_engine, wait_until_stored
 
 pytestmark = pytest.mark.integration

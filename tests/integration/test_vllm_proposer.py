@@ -14,7 +14,7 @@ from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, generate
 from kvlab.integrations.vllm.proposer import DRAFTER_ENV, KVLabDraftProposer, drafter_from_environment
 from kvlab.models import LoadedModel
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 NUM_SPECULATIVE_TOKENS = 4
 MAX_MODEL_LEN = 256

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from kvlab.cache import FullKVLayer, KVCache, forward
 from kvlab.models import LoadedModel
-from tests.conftest import plain_attention, tiny_llama
+from tests.helpers import plain_attention, tiny_llama
 
 
 def _random_ids(length: int, seed: int = 1, vocab: int = 96) -> torch.Tensor:

@@ -14,7 +14,7 @@ from kvlab.compress.turboquant import _dequantize_mse, _quantize_mse, lloyd_max_
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, generate
 from kvlab.quant.packing import pack_codes, unpack_codes
-from tests.conftest import assert_identity_compression_is_bit_identical, tiny_llama
+from tests.helpers import assert_identity_compression_is_bit_identical, tiny_llama
 from tests.reference import eviction as ref_eviction
 from tests.reference import quantization as ref_quantization
 

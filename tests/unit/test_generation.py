@@ -8,7 +8,7 @@ import torch
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, generate, token_probabilities
 from kvlab.models import LoadedModel
-from tests.conftest import tiny_llama, transformers_greedy
+from tests.helpers import tiny_llama, transformers_greedy
 
 
 def _prompts(*lengths: int) -> list[list[int]]:

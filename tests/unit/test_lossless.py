@@ -10,7 +10,7 @@ from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, generate
 from kvlab.lossless import LosslessConfig, generate_lossless, greedy_accept, rejection_sample
 from kvlab.lossless.draft_length import DraftLengthController, StepCosts
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 # A lossy setting of every registered drafter (the matrix must cover the registry).
 DRAFTERS: dict[str, dict[str, object]] = {

@@ -7,7 +7,7 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
 from kvlab.cache import KVCache, forward
 from kvlab.models import LoadedModel, wrap_model
-from tests.conftest import plain_attention, tiny_tokenizer
+from tests.helpers import plain_attention, tiny_tokenizer
 
 WINDOW = 8
 

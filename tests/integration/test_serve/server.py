@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kvlab.cli import main
-from tests.conftest import free_port, stop_process
+from tests.helpers import free_port, stop_process
 
 
 class ServeProcess:

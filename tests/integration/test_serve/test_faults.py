@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from kvlab.cli import main
-from tests.conftest import RedisServer
+from tests.helpers import RedisServer
 from tests.integration.test_serve.server import ServeProcess
 from tests.integration.test_serve.test_api import PASSAGE
 

@@ -8,7 +8,7 @@ from kvlab.bench import methods
 from kvlab.bench.methods import CATALOG, BenchMethod, parse_method, run_method
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 
 def test_catalog_labels_parse_to_their_rows() -> None:

@@ -13,7 +13,7 @@ from kvlab.bench.results import PREDICTIONS_FILE, read_predictions
 from kvlab.bench.tasks import tasks
 from kvlab.compress import CompressionContext, create_compressor
 from kvlab.errors import ConfigError
-from tests.conftest import tiny_llama, tiny_tokenizer
+from tests.helpers import tiny_llama, tiny_tokenizer
 
 
 def test_turns_share_the_document_and_carry_earlier_answers() -> None:

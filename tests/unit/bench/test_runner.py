@@ -12,7 +12,7 @@ from kvlab.bench import BenchConfig, parse_method, run_benchmark, runner
 from kvlab.bench.results import METRICS_FILE, PREDICTIONS_FILE, read_predictions
 from kvlab.errors import ConfigError
 from kvlab.models import LoadedModel
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 TASKS = (
     {"name": "squad", "context_tokens": 96, "max_new_tokens": 4},

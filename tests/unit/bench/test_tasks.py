@@ -15,7 +15,7 @@ from kvlab.bench.tasks import Sample, tasks
 from kvlab.bench.tasks.base import count_tokens, package_dir, read_jsonl
 from kvlab.bench.tasks.ruler import split_sentences
 from kvlab.errors import ConfigError
-from tests.conftest import tiny_tokenizer
+from tests.helpers import tiny_tokenizer
 
 TOKENIZER = tiny_tokenizer()
 # Small contexts keep these tests fast; the word-level tokenizer counts whitespace-separated words.

@@ -79,7 +79,7 @@ def verify_logits_both_ways(loaded, prompt: list[int], following: list[int]) -> 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_a_verify_forward_through_the_fast_path_matches_the_masked_one_on_a_model(kv_heads: int) -> None:
-    from tests.conftest import tiny_llama
+    from tests.helpers import tiny_llama
 
     loaded = tiny_llama(num_kv_heads=kv_heads)
     generator = torch.Generator().manual_seed(kv_heads)

@@ -23,7 +23,7 @@ from kvlab.compress import create_compressor
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, generate
 from kvlab.lossless import LosslessConfig, generate_lossless
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 TIERS = ["host", "disk", "emulated:5"]
 

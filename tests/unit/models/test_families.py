@@ -23,8 +23,8 @@ from kvlab.generation.prefill import prefill
 from kvlab.lossless import LosslessConfig, LosslessOutput, generate_lossless
 from kvlab.models import LoadedModel
 from kvlab.store.prefix import PrefixCache, PrefixConfig
-from tests.conftest import assert_identity_compression_is_bit_identical, plain_attention, transformers_greedy
 from tests.families import FAMILIES, NOT_IN_MATRIX, Family, family_named, family_params
+from tests.helpers import assert_identity_compression_is_bit_identical, plain_attention, transformers_greedy
 from tests.unit.codec.matrix import CODEC_MATRIX
 from tests.unit.test_compressors import IDENTITY, METHOD_MATRIX
 

@@ -18,8 +18,8 @@ from kvlab.cli import main
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, generate
 from kvlab.models import EMBEDDED_MODELS, LoadedModel, load_model
-from tests.conftest import tiny_tokenizer, transformers_greedy
 from tests.families import TEST_DEVICE, Family, family_named, family_params
+from tests.helpers import tiny_tokenizer, transformers_greedy
 from tests.unit.models.gguf_files import write_gguf
 
 PROMPT = [(5 * i + 7) % 90 + 3 for i in range(24)]

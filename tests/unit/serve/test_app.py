@@ -16,7 +16,7 @@ from kvlab.models import LoadedModel
 from kvlab.serve.app import create_app
 from kvlab.serve.config import ServeConfig
 from kvlab.serve.engine import ServeEngine
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 PROMPT = "w5 w9 w17 w33 w40 w41 w60 w7 w8 w12 w13 w50 w51 w52 w70 w71"
 

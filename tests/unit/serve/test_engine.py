@@ -17,7 +17,7 @@ from kvlab.models import LoadedModel
 from kvlab.serve.config import ServeConfig
 from kvlab.serve.engine import EngineClosedError, ServeEngine, ServerBusyError
 from kvlab.serve.request import Event, FailedEvent, FinishedEvent, ServeRequest, TokensEvent
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 PROMPTS = [[5 + (i * 7 + j * 3) % 80 for j in range(20 + 6 * i)] for i in range(4)]
 
@@ -210,7 +210,7 @@ def test_a_stored_prefix_is_fetched_before_prefill_and_changes_no_token(loaded: 
 
 
 def test_a_store_that_cannot_be_reached_costs_reuse_not_completion(loaded: LoadedModel) -> None:
-    from tests.conftest import free_port
+    from tests.helpers import free_port
 
     config = ServeConfig(prefix_store=f"redis://127.0.0.1:{free_port()}/0?timeout=0.5", prefix_chunk_tokens=8)
     engine = ServeEngine(loaded, config, LosslessConfig(compressors.create("snapkv", budget=12)))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.conftest import free_port, stop_process
+from tests.helpers import free_port, stop_process
 
 NUM_NODES = 3
 

@@ -11,7 +11,7 @@ from urllib.parse import quote
 import pytest
 import redis
 
-from tests.conftest import free_port, stop_process
+from tests.helpers import free_port, stop_process
 
 
 def make_certificates(directory: Path) -> dict[str, Path]:

@@ -13,7 +13,7 @@ from kvlab.models import LoadedModel
 from kvlab.store import ChunkAuthError, ChunkSealer, StoreUnavailableError, create_store, load_secret
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 from kvlab.store.writer import BackgroundWriteError, ChunkWriter
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 PROMPT = [(7 * i + 3) % 90 + 3 for i in range(40)]

@@ -17,7 +17,7 @@ from kvlab.store import KVStore, StoreUnavailableError, create_store
 from kvlab.store.link import ThrottledStore
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 from kvlab.store.resolution import RESOLUTIONS, decode_chunk, encode_chunk
-from tests.conftest import RedisServer, tiny_llama
+from tests.helpers import RedisServer, tiny_llama
 
 CHUNK = 16
 PROMPT = [(7 * i + 3) % 90 + 3 for i in range(75)]  # 4 complete chunks + 11 tokens

@@ -12,7 +12,7 @@ import redis
 from kvlab.errors import ConfigError
 from kvlab.store import StoreUnavailableError, create_store
 from kvlab.store.redis import NAMESPACE, RedisStore
-from tests.conftest import RedisServer, free_port
+from tests.helpers import RedisServer, free_port
 
 
 def test_values_are_raw_bytes_under_the_namespace(redis_url: str) -> None:

@@ -16,7 +16,7 @@ from kvlab.store import KVStore, StoreUnavailableError, create_store
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 from kvlab.store.redis import NAMESPACE
 from kvlab.store.redis_cluster import RedisClusterStore
-from tests.conftest import free_port, tiny_llama
+from tests.helpers import free_port, tiny_llama
 from tests.unit.store.redis_cluster_nodes import LocalRedisCluster
 
 CHUNK = 16

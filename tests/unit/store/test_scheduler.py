@@ -11,7 +11,7 @@ from kvlab.models import LoadedModel
 from kvlab.store import create_store
 from kvlab.store.link import ThrottledStore
 from kvlab.store.prefix import PrefixCache, PrefixConfig
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 CHUNK = 16
 SHARED = [(5 * i + 7) % 90 + 3 for i in range(80)]

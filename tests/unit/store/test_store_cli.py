@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvlab.cli import main
-from tests.conftest import free_port
+from tests.helpers import free_port
 
 
 @pytest.fixture(params=["file", "redis"])
@@ -130,7 +130,7 @@ def _filled_prefix_store(url: str) -> list[str]:
     """Keys of the chunks a tiny model's prefill saved to `url`."""
     from kvlab.generation.prefill import prefill
     from kvlab.store.prefix import PrefixCache, PrefixConfig
-    from tests.conftest import tiny_llama
+    from tests.helpers import tiny_llama
 
     model = tiny_llama(num_kv_heads=2, seed=3)
     prompt = [(7 * i + 3) % 90 + 3 for i in range(50)]

@@ -20,7 +20,7 @@ from kvlab.store.resolution import (
     decode_chunk_by_token,
     encode_chunk,
 )
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 CHUNK = 16
 PROMPT = [(7 * i + 3) % 90 + 3 for i in range(75)]  # 4 complete chunks + 11 tokens
