@@ -11,8 +11,8 @@ from typing import Any
 from tqdm import tqdm
 
 from kvlab.bench import BenchCallbacks, preset_config, run_benchmark
-from kvlab.bench.methods import parse_method
 from kvlab.bench.config import BenchConfig
+from kvlab.bench.methods import parse_method
 from kvlab.bench.presets import DEFAULT_PRESET, PRESETS
 from kvlab.bench.report import render_report
 from kvlab.bench.tasks import tasks
