@@ -9,6 +9,30 @@ from pathlib import Path
 import pytest
 
 from kvlab.models import LoadedModel
+
+# Modules whose tests take seconds each (the architecture matrix builds and runs a model per family
+# and capability); everything under tests/integration is slow too.
+SLOW_MODULES = ("tests/unit/models/test_families.py",)
+REDIS_FIXTURES = frozenset(
+    {"redis_url", "redis_server", "redis_session_server", "redis_unix_url", "rediss_url", "redis_cluster_url"}
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark tests by where they live and what they use, so `-m "not slow"` and `-m "not redis"` select."""
+    root = Path(str(config.rootpath))
+    for item in items:
+        path = Path(str(item.path)).relative_to(root).as_posix()
+        if path.startswith("tests/integration/"):
+            item.add_marker(pytest.mark.integration)
+            item.add_marker(pytest.mark.slow)
+        elif path in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+        callspec = getattr(item, "callspec", None)
+        # Store tests pick their backend by a parameter and fetch the redis fixture only then.
+        by_parameter = callspec is not None and any("redis" in str(value) for value in callspec.params.values())
+        if by_parameter or REDIS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.redis)
 from tests.helpers import (
     RedisServer,
     tiny_llama,
