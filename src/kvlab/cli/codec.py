@@ -24,9 +24,6 @@ FRAMES_FORMAT = "kvlab-codec-frames"
 
 
 class CodecCommand(Command):
-    name = "codec"
-    help = "benchmark KV codecs, or encode/decode KV tensors saved as safetensors"
-
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         verbs = parser.add_subparsers(dest="codec_verb", required=True, metavar="VERB")
         bench = add_subcommand(verbs, "bench", "ratio, speed and error of every codec on the model's KV")
