@@ -108,3 +108,25 @@ def test_task_fidelity_decodes_from_a_prefix_restored_through_the_store(embedded
     assert (row.bits, row.resolution, row.num_prompts) == (8, "int8", 1)
     assert row.reused_tokens >= 128, "the prefix must come from the store"
     assert 0.0 <= row.matched_prefix <= 1.0 and row.identical in (0.0, 1.0)
+
+
+def test_capture_then_encode_then_decode_gives_back_the_captured_kv_bit_for_bit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"A prompt about caches, read from stdin.")))
+    captured, frames, decoded = tmp_path / "kv.safetensors", tmp_path / "frames.safetensors", tmp_path / "out.safetensors"
+    assert main(["codec", "capture", str(captured), "--prompt-file", "-", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    kv = load_file(str(captured))
+    assert list(kv["keys"].shape) == summary["shape"] == list(kv["values"].shape)
+    assert summary["shape"][0] == 30 and summary["shape"][2] < 32  # every layer, the prompt's own tokens
+    assert main(["codec", "encode", str(captured), str(frames), "--codec", "byteplane"]) == 0
+    assert main(["codec", "decode", str(frames), str(decoded)]) == 0
+    restored = load_file(str(decoded))
+    assert all(torch.equal(restored[name].view(torch.int16), kv[name].view(torch.int16)) for name in ("keys", "values"))
+
+
+def test_capture_into_a_missing_directory_is_a_usage_error(tmp_path: Path) -> None:
+    assert main(["codec", "capture", str(tmp_path / "no" / "kv.safetensors")]) == 2

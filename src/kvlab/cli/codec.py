@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from kvlab.bench.codec import DEFAULT_CASES, bench_codecs, collect_kv
 from kvlab.bench.codec.report import codec_table
-from kvlab.cli.base import EXIT_OK, Command, add_json_flag, add_subcommand, print_json
+from kvlab.cli.base import EXIT_OK, Command, add_json_flag, add_subcommand, print_json, read_prompt_file
 from kvlab.cli.progress import TokenProgress
 from kvlab.codec import DEFAULT_MAX_DECODED_BYTES, CodecError, ExpectedFrame, codecs, decode_frame
 from kvlab.errors import ConfigError
@@ -38,6 +38,14 @@ class CodecCommand(Command):
         bench.add_argument("--plot", type=Path, default=Path("codec_rate_fidelity.png"),
                            help="PNG written by --rate-fidelity")
         add_json_flag(bench)
+        capture = add_subcommand(
+            verbs, "capture", "prefill a prompt and save its KV (keys, values [layers, kv heads, tokens, dim], fp16)"
+        )
+        capture.add_argument("output", type=Path, help="safetensors file to write (input of `kvlab codec encode`)")
+        capture.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file, model dir or cached hub id")
+        capture.add_argument("--prompt-file", type=Path, help="UTF-8 text to prefill, - reads stdin (default: the bundled document)")
+        capture.add_argument("--context", type=int, default=1024, help="tokens to prefill (fewer if the prompt is shorter)")
+        add_json_flag(capture)
         encode = add_subcommand(verbs, "encode", "encode every tensor of a safetensors file into codec frames")
         encode.add_argument("input", type=Path, help="safetensors file of float tensors (e.g. keys, values)")
         encode.add_argument("output", type=Path, help="safetensors file of frames to write")
@@ -57,6 +65,8 @@ class CodecCommand(Command):
     def run(self, args: argparse.Namespace) -> int:
         if args.codec_verb == "bench":
             return _bench(args)
+        if args.codec_verb == "capture":
+            return _capture(args)
         if args.codec_verb == "encode":
             return _encode(args)
         return _decode(args)
@@ -87,6 +97,30 @@ def _bench(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(f"{loaded.name}: keys and values {list(keys.shape)} each, fp16, {2 * 2 * keys.numel() / 1e6:.1f} MB")
     print(codec_table(results))
+    return EXIT_OK
+
+
+def _capture(args: argparse.Namespace) -> int:
+    if args.context < 1:
+        raise ConfigError(f"--context must be at least 1, got {args.context}")
+    _check_output(args.output)
+    text = None if args.prompt_file is None else read_prompt_file(args.prompt_file)
+    loaded = load_model(args.model)
+    token_ids = None if text is None else list(loaded.tokenizer(text, add_special_tokens=True)["input_ids"])
+    if token_ids is not None and not token_ids:
+        raise ConfigError(f"{args.prompt_file} holds no text to prefill")
+    num_tokens = args.context if token_ids is None else min(args.context, len(token_ids))
+    if num_tokens > loaded.architecture.max_context:
+        raise ConfigError(f"--context {num_tokens} exceeds {loaded.name}'s context of {loaded.architecture.max_context} tokens")
+    keys, values = collect_kv(loaded, num_tokens, token_ids)
+    save_file({"keys": keys.contiguous(), "values": values.contiguous()}, str(args.output),
+              metadata={"model": loaded.name, "tokens": str(keys.shape[2])})
+    summary = {"output": str(args.output), "model": loaded.name, "shape": list(keys.shape), "dtype": "float16",
+               "bytes": 2 * keys.numel() * keys.element_size()}
+    if args.json:
+        print_json(summary)
+    else:
+        print(f"wrote keys and values {tuple(keys.shape)} fp16 of {loaded.name} to {args.output}")
     return EXIT_OK
 
 

@@ -64,9 +64,13 @@ class CodecBenchStats:
     rms_error: float  # root mean square of decoded - input over every value
 
 
-def collect_kv(loaded: LoadedModel, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values `[L, H_kv, T, D]` (fp16, CPU) of the bundled document's first `num_tokens` tokens."""
-    ids = document_token_ids(loaded.tokenizer, num_tokens)
+def collect_kv(
+    loaded: LoadedModel, num_tokens: int, token_ids: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values `[L, H_kv, T, D]` (fp16, CPU) of the first `num_tokens` of `token_ids` (default:
+    the bundled document's tokens)."""
+    ids = document_token_ids(loaded.tokenizer, num_tokens) if token_ids is None else token_ids[:num_tokens]
+    num_tokens = len(ids)
     cache = KVCache.allocate(loaded.architecture, 1, num_tokens, loaded.dtype, loaded.device)
     with torch.inference_mode():
         forward(loaded.model, cache, torch.tensor([ids], device=loaded.device), logits_to_keep=1)
