@@ -35,6 +35,8 @@ def test_smoke_preset_runs_every_task_and_renders_the_report(tmp_path: Path, cap
             assert cell["system"]["kv_bytes_ratio"] > 1.0, f"{cell['task']}: KIVI-2 stored as much as full KV"
     report = Path(result["report"]).read_text()
     assert "### niah — retrieval" in report and "| kivi-2 |" in report
+    assert "- preset: smoke; models: smollm2" in report and "squad (192 context tokens, 8 new tokens)" in report
+    assert "Scorer: RULER string_match_all." in report
     assert (out / "smollm2_quality_vs_throughput.png").stat().st_size > 0
 
     # Finished cells are skipped: a second run changes no prediction file.
