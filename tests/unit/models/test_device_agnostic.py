@@ -24,7 +24,7 @@ from kvlab.compress import CompressionContext, compressors, create_compressor
 from kvlab.compress.quantization import pack_code_tensor, unpack_code_tensor
 from kvlab.quant.packing import pack_codes, unpack_codes
 from kvlab.timing import Stopwatch, synchronize
-from tests.unit.test_compressors import METHOD_MATRIX
+from tests.unit.compress.test_compressors import METHOD_MATRIX
 
 PACKAGE = Path(kvlab.__file__).parent
 DEVICE_CODE = ("compress", "cache")

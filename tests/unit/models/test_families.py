@@ -26,7 +26,7 @@ from kvlab.store.prefix import PrefixCache, PrefixConfig
 from tests.families import FAMILIES, NOT_IN_MATRIX, Family, family_named, family_params
 from tests.helpers import assert_identity_compression_is_bit_identical, plain_attention, transformers_greedy
 from tests.unit.codec.matrix import CODEC_MATRIX
-from tests.unit.test_compressors import IDENTITY, METHOD_MATRIX
+from tests.unit.compress.test_compressors import IDENTITY, METHOD_MATRIX
 
 CHUNK = 16
 PROMPT = [(7 * i + 3) % 90 + 3 for i in range(45)]  # past every sliding window of the matrix
