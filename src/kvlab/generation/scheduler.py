@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,6 +25,7 @@ from kvlab.generation import GenerationOutput, generate
 from kvlab.generation.config import GenerationConfig
 from kvlab.models import LoadedModel
 from kvlab.store.prefix import FetchedPrefix, FetchStats, LayerKV, PrefixCache
+from kvlab.timing import Stopwatch
 
 logger = logging.getLogger(__name__)
 
@@ -139,10 +139,10 @@ class FetchAwareScheduler:
         Raises:
             SchedulerError: Some requests failed (after every other one was served).
         """
-        start = time.perf_counter()
+        clock = Stopwatch()
 
         def now() -> float:
-            return time.perf_counter() - start
+            return clock.elapsed()
 
         order = sorted(range(len(requests)), key=lambda index: requests[index].arrival_s)
         ready: queue.PriorityQueue[tuple[float, int]] = queue.PriorityQueue()

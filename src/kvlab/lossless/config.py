@@ -9,7 +9,7 @@ from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
 from kvlab.lossless.draft_length import DraftLengthController, StepCosts
 from kvlab.models.draft_weights import DRAFT_WEIGHTS, DraftWeights
-from kvlab.store.resolution import get_resolution
+from kvlab.store.resolution import RESOLUTIONS, get_resolution
 
 Schedule = Literal["staggered", "synchronous"]
 SCHEDULES: tuple[Schedule, ...] = ("staggered", "synchronous")
@@ -46,8 +46,8 @@ class LosslessConfig:
     prefix_draft: str | None = dataclasses.field(
         default=None,
         metadata={
-            "help": "with a prefix store: fetch the prefix at this low-bit resolution (int8, int4) first and draft "
-            "from it while the bit-exact prefix transfers"
+            "help": "with a prefix store: fetch the prefix at this low-bit resolution (int8, int4, int4-video, ...) "
+            "first and draft from it while the bit-exact prefix transfers"
         },
     )
     prefix_draft_chunks: int | None = dataclasses.field(
@@ -68,7 +68,8 @@ class LosslessConfig:
         if self.draft_weights not in DRAFT_WEIGHTS:
             raise ConfigError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {self.draft_weights!r}")
         if self.prefix_draft is not None and get_resolution(self.prefix_draft).exact:
-            raise ConfigError(f"prefix_draft is the low-bit resolution to draft from, not {self.prefix_draft!r}: use int8 or int4")
+            low_bit = ", ".join(name for name, resolution in RESOLUTIONS.items() if not resolution.exact)
+            raise ConfigError(f"prefix_draft is the low-bit resolution to draft from, not {self.prefix_draft!r}: use one of {low_bit}")
         if self.prefix_draft_chunks is not None and self.prefix_draft_chunks < 1:
             raise ConfigError(f"prefix_draft_chunks must be at least 1 or None, got {self.prefix_draft_chunks}")
         if self.schedule not in SCHEDULES:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -26,6 +25,7 @@ from kvlab.store.base import KVStore
 from kvlab.store.fetched import FetchedPrefix
 from kvlab.store.planner import RECOMPUTE, ResolutionCost, plan_chunks
 from kvlab.store.resolution import RESOLUTIONS, ChunkGeometry, TokenRestore, decode_chunk, decode_chunk_by_token
+from kvlab.timing import Stopwatch
 
 if TYPE_CHECKING:
     from kvlab.store.prefix import PrefixConfig
@@ -146,9 +146,9 @@ class PrefixFetcher:
                         break
                     names[index] = name
                     key = keys[name][index]
-                    clock = time.perf_counter()
+                    clock = Stopwatch()
                     data = store.get(key)
-                    seconds = time.perf_counter() - clock
+                    seconds = clock.elapsed()
                     self.estimates.observe_transfer(len(data or b""), seconds)
                     decoding = None if data is None else decoders.submit(self.decode, name, key, data)
                     arrivals.put((index, name, decoding, len(data or b""), seconds))
@@ -212,7 +212,7 @@ class PrefixFetcher:
         Raises:
             CodecError: The tag, a frame or the values are not what this reader accepts.
         """
-        clock = time.perf_counter()
+        clock = Stopwatch()
         resolution, opened = RESOLUTIONS[name], self.sealer.open(key, data)
         token_restore = None
         if resolution.decodes_by_token:
@@ -223,7 +223,7 @@ class PrefixFetcher:
         for tensor in (keys, values):
             if not torch.isfinite(tensor).all():
                 raise CodecError("stored chunk holds NaN or Inf")
-        return keys, values, time.perf_counter() - clock, token_restore
+        return keys, values, clock.elapsed(), token_restore
 
 
 def _fault(error: BaseException, index: int, key: str | None) -> Fault:

@@ -31,6 +31,7 @@ from kvlab.store.fetcher import Estimates, Fault, PrefixFetcher
 from kvlab.store.keys import chunk_keys, fingerprint
 from kvlab.store.resolution import RESOLUTIONS, ChunkGeometry, encode_chunk, get_resolution
 from kvlab.store.writer import ChunkWriter
+from kvlab.timing import Stopwatch
 
 __all__ = ["FetchStats", "FetchedPrefix", "LayerKV", "PrefixCache", "PrefixConfig", "PrefixSource"]
 
@@ -243,10 +244,10 @@ class PrefixCache:
         Never raises for store or data faults (any `Exception`): they end the fetch early, are
         logged once and counted. KeyboardInterrupt and SystemExit go on up.
         """
-        started = time.perf_counter()
+        clock = Stopwatch()
         stats = FetchStats()
         fetched = FetchedPrefix([], stats)
-        if time.perf_counter() < self._down_until:
+        if time.monotonic() < self._down_until:
             stats.failure = "store marked unreachable"
             return fetched
         available: list[list[str]] = []
@@ -265,7 +266,7 @@ class PrefixCache:
         if fault is not None:
             self._fail(stats, fault, len(available))
         stats.fetched_tokens = fetched.num_tokens
-        stats.fetch_s = time.perf_counter() - started
+        stats.fetch_s = clock.elapsed()
         return fetched
 
     def _fail(self, stats: FetchStats, fault: Fault, total: int) -> None:
@@ -277,7 +278,7 @@ class PrefixCache:
         self.fault_counts[kind] = self.fault_counts.get(kind, 0) + 1
         retry = ""
         if isinstance(error, StoreUnavailableError):
-            self._down_until = time.perf_counter() + self.config.retry_after_s
+            self._down_until = time.monotonic() + self.config.retry_after_s
             retry = f"; not trying the store again for {self.config.retry_after_s:g} s"
         where = self.store.url or type(self.store).__name__
         if fault.key is not None and not isinstance(error, StoreUnavailableError):
@@ -314,7 +315,7 @@ class PrefixCache:
             return
         num_computed = layer_kv[0][0].shape[2]
         first, end = start // size, (start + num_computed) // size
-        if end <= first or time.perf_counter() < self._down_until:
+        if end <= first or time.monotonic() < self._down_until:
             return
         keys_by_resolution = {name: self.keys(tokens, name) for name in self.config.write}
         for chunk in range(first, end):
