@@ -23,12 +23,8 @@ class BenchConfig:
         samples: Samples per task (fewer when the data has fewer well-formed rows).
         out: Result folder; finished cells found there are skipped.
         models: Models to benchmark (embedded alias, GGUF file, model dir or cached hub id).
-        dtype: Weights and KV dtype.
-        device: Torch device.
-        repeats: Generations per sample; timings are the median over them (outputs must agree).
         warmup: Run each method once on a short prompt before measuring it.
-        threads: Torch CPU threads during the run (None: torch's default). On a shared machine one
-            thread gives steadier timings than threads that wait for each other.
+        dtype, device, repeats, threads: see each field's help (`kvlab bench` shows the same text).
         ratios: Run every lossy eviction/merging row at each of these `compression_ratio`s (fractions
             of prompt tokens removed) instead of its own; empty keeps the rows as given.
         preset: Name of the preset the matrix came from ("custom" when built by hand); shown in reports.
@@ -39,11 +35,19 @@ class BenchConfig:
     samples: int = 8
     out: str = "bench-results"
     models: tuple[str, ...] = (DEFAULT_MODEL,)
-    dtype: str = "float32"
-    device: str = "cpu"
-    repeats: int = 1
+    dtype: str = dataclasses.field(default="float32", metadata={"help": "weights and KV dtype"})
+    device: str = dataclasses.field(default="cpu", metadata={"help": "torch device (cpu, cuda, cuda:1)"})
+    repeats: int = dataclasses.field(
+        default=1, metadata={"help": "generations per sample; timings are the median over them (outputs must agree)"}
+    )
     warmup: bool = True
-    threads: int | None = None
+    threads: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "torch CPU threads during the run (default: torch's choice); on a shared machine one thread "
+            "gives steadier timings than threads that wait for each other"
+        },
+    )
     ratios: tuple[float, ...] = ()
     preset: str = "custom"
 

@@ -17,14 +17,15 @@ from kvlab.bench.presets import DEFAULT_PRESET, PRESETS
 from kvlab.bench.report import render_report
 from kvlab.bench.tasks import tasks
 from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json
+from kvlab.cli.flags import add_config_flags, given_values
 from kvlab.errors import ConfigError
 from kvlab.registry import parse_value
 
 
-class BenchCommand(Command):
-    name = "bench"
-    help = "benchmark methods on task quality and system cost; `kvlab bench report DIR` re-renders a report"
+RUN_FIELDS = ("dtype", "device", "repeats", "threads")
 
+
+class BenchCommand(Command):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("action", nargs="?", choices=("run", "report"), default="run", help="run (default) or report")
         parser.add_argument("directory", nargs="?", type=Path, help="results folder (for `report`)")
@@ -49,9 +50,7 @@ class BenchCommand(Command):
         )
         parser.add_argument("--out", type=Path, help="results folder (default: bench-results/PRESET)")
         parser.add_argument("--model", action="append", help="model to benchmark (repeatable; default: the preset's)")
-        parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
-        parser.add_argument("--repeats", type=int, default=1, help="generations per sample; timings are medians")
-        parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+        add_config_flags(parser, BenchConfig, RUN_FIELDS)
         add_json_flag(parser)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -61,7 +60,7 @@ class BenchCommand(Command):
             raise ConfigError("a results folder is given with --out; `kvlab bench report DIR` re-renders one")
         preset_name = args.preset or DEFAULT_PRESET
         out = args.out or Path("bench-results") / preset_name
-        fields: dict[str, Any] = {"out": str(out), "device": args.device, "repeats": args.repeats, "threads": args.threads}
+        fields: dict[str, Any] = {"out": str(out), **given_values(args, BenchConfig, RUN_FIELDS)}
         if args.samples is not None:
             fields["samples"] = args.samples
         if args.ratios is not None:

@@ -30,9 +30,6 @@ FLAGS = {
 
 
 class ServeCommand(Command):
-    name = "serve"
-    help = "serve the model over an OpenAI-compatible HTTP API (continuous batching, lossless decoding)"
-
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         for title, names in GROUPS.items():
             group = parser.add_argument_group(title)
