@@ -21,7 +21,6 @@ from kvlab.cli.flags import add_config_flags, given_values
 from kvlab.errors import ConfigError
 from kvlab.registry import parse_value
 
-
 RUN_FIELDS = ("dtype", "device", "repeats", "threads")
 
 
