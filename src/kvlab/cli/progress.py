@@ -9,6 +9,8 @@ from typing import TextIO
 
 from tqdm import tqdm
 
+from kvlab.generation.text import TextDeltas
+
 
 class TokenProgress:
     """A stderr bar counting generated tokens with live tokens/s; silent when disabled or not a TTY.
@@ -49,21 +51,16 @@ class TokenProgress:
 class TextStream:
     """Writes one request's text to `out` as its tokens arrive (a `TokenCallback`).
 
-    Text is only ever appended: what could still become a stop string, or an incomplete multi-byte
-    character, is held back until the tokens that follow settle it, and `finish` writes the rest of
-    the final text (cut before a stop string, as the output's text is).
+    Text is only ever appended (`kvlab.generation.text.TextDeltas` decides what is settled), and
+    `finish` writes the rest of the final text (cut before a stop string, as the output's text is).
     """
 
     def __init__(
         self, decode: Callable[[list[int]], str], stop_strings: tuple[str, ...], out: TextIO, request: int = 0
     ) -> None:
-        self.decode = decode
+        self.deltas = TextDeltas(decode, stop_strings)
         self.out = out
         self.request = request
-        self.stop_strings = stop_strings
-        self.hold = max((len(stop) for stop in stop_strings), default=1) - 1
-        self.tokens: list[int] = []
-        self.written = ""
         self.on_first: Callable[[], None] | None = None
 
     def __call__(self, request: int, tokens: list[int]) -> None:
@@ -72,18 +69,12 @@ class TextStream:
         if self.on_first is not None:
             self.on_first()
             self.on_first = None
-        self.tokens.extend(tokens)
-        text = self.decode(self.tokens).rstrip("\ufffd")
-        stops = [index for index in (text.find(stop) for stop in self.stop_strings) if index >= 0]
-        # Before a completed stop string everything is settled; otherwise the tail may still become one.
-        settled = text[: min(stops)] if stops else text[: max(len(text) - self.hold, 0)]
-        if settled.startswith(self.written) and len(settled) > len(self.written):
-            self.out.write(settled[len(self.written) :])
+        delta = self.deltas.push(tokens)
+        if delta:
+            self.out.write(delta)
             self.out.flush()
-            self.written = settled
 
     def finish(self, final_text: str) -> None:
         """Write what is left of `final_text` and end the line."""
-        rest = final_text[len(self.written) :] if final_text.startswith(self.written) else ""
-        self.out.write(rest + "\n")
+        self.out.write(self.deltas.finish(final_text) + "\n")
         self.out.flush()

@@ -24,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvlab.errors import ConfigError
+from kvlab.generation.text import TextDeltas
 from kvlab.lossless.config import LosslessConfig
 from kvlab.serve.config import ServeConfig
 from kvlab.serve.engine import EngineClosedError, ServeEngine, ServerBusyError
@@ -39,7 +40,6 @@ from kvlab.serve.protocol import (
     usage,
 )
 from kvlab.serve.request import Event, FailedEvent, FinishedEvent, RequestStats, ServeRequest, TokensEvent
-from kvlab.serve.text import TextDeltas
 
 logger = logging.getLogger(__name__)
 

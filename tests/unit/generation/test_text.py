@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvlab.serve.text import TextDeltas
+from kvlab.generation.text import TextDeltas
 
 WORDS = ["Hel", "lo", " wor", "ld", ",", " S", "TOP", " here"]
 

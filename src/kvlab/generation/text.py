@@ -1,4 +1,5 @@
-"""A streamed request's text as increments that are never taken back."""
+"""A streamed request's text as increments that are never taken back (the CLI's streamed output and the
+server's server-sent events both use it)."""
 
 from __future__ import annotations
 
