@@ -346,7 +346,7 @@ def test_drafting_from_a_low_bit_prefix_whose_exact_copy_is_gone_is_identical(mo
 def test_prefix_draft_must_be_low_bit_and_needs_a_store(model: LoadedModel) -> None:
     from kvlab.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="int8 or int4"):
+    with pytest.raises(ConfigError, match="use one of int8, int4, int4-video"):
         LosslessConfig(create_compressor("snapkv"), prefix_draft="exact")
     spec = LosslessConfig(create_compressor("snapkv"), prefix_draft="int4")
     with pytest.raises(ConfigError, match="prefix store"):
