@@ -96,13 +96,13 @@ class RedisStore(KVStore):
         if unknown:
             raise ConfigError(f"redis store URL {shown!r}: unknown option {unknown[0]!r}; options of "
                               f"{parsed.scheme}://: {', '.join(sorted(options))}")
-        timeout_s = _parse_timeout(shown, _option(query, "timeout") or str(DEFAULT_TIMEOUT_S))
-        connection: dict[str, Any] = {"socket_timeout": timeout_s, **_credentials(parsed)}
+        timeout_s = parse_timeout(shown, query_option(query, "timeout") or str(DEFAULT_TIMEOUT_S))
+        connection: dict[str, Any] = {"socket_timeout": timeout_s, **url_credentials(parsed)}
         if parsed.scheme == "redis+unix":
             if not parsed.path:
                 raise ConfigError(f"redis store URL {shown!r}: give the socket path, e.g. redis+unix:///run/redis.sock")
             connection.update(connection_class=redis.UnixDomainSocketConnection, path=unquote(parsed.path),
-                              db=_db(shown, _option(query, "db") or "0"))
+                              db=_db(shown, query_option(query, "db") or "0"))
             return cls(url, unquote(parsed.path), connection)
         host = parsed.hostname or "localhost"
         connection.update(host=host, port=port, db=_db(shown, parsed.path.strip("/") or "0"),
@@ -196,12 +196,14 @@ def _name(key: str) -> str:
     return NAMESPACE + check_key(key)
 
 
-def _option(query: dict[str, list[str]], name: str) -> str | None:
+def query_option(query: dict[str, list[str]], name: str) -> str | None:
+    """The last value of `name` in a parsed URL query, or None (shared by the redis URL schemes)."""
     values = query.get(name)
     return values[-1] if values else None
 
 
-def _credentials(parsed: SplitResult) -> dict[str, Any]:
+def url_credentials(parsed: SplitResult) -> dict[str, Any]:
+    """Username and password from the URL, the password from KVLAB_REDIS_PASSWORD when the URL has none."""
     username = unquote(parsed.username) if parsed.username else None
     password = unquote(parsed.password) if parsed.password is not None else os.environ.get(PASSWORD_ENV)
     return {"username": username or None, "password": password or None}
@@ -214,7 +216,7 @@ def _db(shown: str, text: str) -> int:
 
 
 def _tls_files(shown: str, query: dict[str, list[str]]) -> dict[str, str]:
-    files = {name: value for name in TLS_OPTIONS if (value := _option(query, name))}
+    files = {name: value for name in TLS_OPTIONS if (value := query_option(query, name))}
     for name, value in files.items():
         if not Path(value).is_file():
             raise ConfigError(f"redis store URL {shown!r}: {name} file {value!r} not found")
@@ -223,7 +225,7 @@ def _tls_files(shown: str, query: dict[str, list[str]]) -> dict[str, str]:
     return files
 
 
-def _parse_timeout(shown: str, text: str) -> float:
+def parse_timeout(shown: str, text: str) -> float:
     try:
         timeout_s = float(text)
     except ValueError:

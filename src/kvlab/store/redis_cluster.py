@@ -34,7 +34,7 @@ from kvlab.store.base import (
     redact_url,
     stores,
 )
-from kvlab.store.redis import DEFAULT_TIMEOUT_S, NAMESPACE, PASSWORD_ENV, _credentials, _option, _parse_timeout
+from kvlab.store.redis import DEFAULT_TIMEOUT_S, NAMESPACE, PASSWORD_ENV, parse_timeout, query_option, url_credentials
 
 _SCAN_BATCH = 1000
 
@@ -72,9 +72,9 @@ class RedisClusterStore(KVStore):
         unknown = sorted(set(query) - {"timeout"})
         if unknown:
             raise ConfigError(f"redis cluster store URL {shown!r}: unknown option {unknown[0]!r}; options: timeout")
-        timeout_s = _parse_timeout(shown, _option(query, "timeout") or str(DEFAULT_TIMEOUT_S))
+        timeout_s = parse_timeout(shown, query_option(query, "timeout") or str(DEFAULT_TIMEOUT_S))
         nodes = [_node(shown, text) for text in parsed.netloc.rpartition("@")[2].split(",")]
-        connection = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s, **_credentials(parsed)}
+        connection = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s, **url_credentials(parsed)}
         return cls(url, nodes, connection)
 
     def put(self, key: str, data: bytes) -> None:
