@@ -108,13 +108,17 @@ class Task(abc.ABC):
             if len(samples) >= num_samples:
                 break
             try:
-                samples.append(self.build_sample(index, row, tokenizer))
+                samples += self.build_samples(index, row, tokenizer)
             except MALFORMED_ROW_ERRORS as error:
                 skipped += 1
                 logger.debug("%s: row %d skipped: %s", self.registry_name, index, error)
         if skipped:
             logger.warning("%s: skipped %d malformed row(s)", self.registry_name, skipped)
-        return TaskData(samples, skipped)
+        return TaskData(samples[:num_samples], skipped)
+
+    def build_samples(self, index: int, row: Any, tokenizer: PreTrainedTokenizerBase) -> list[Sample]:
+        """The samples one row gives: one, unless a task builds several from a row (a conversation)."""
+        return [self.build_sample(index, row, tokenizer)]
 
     def check_data(self) -> None:
         """Fail fast, before any model loads, when the task's data package is not installed."""

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from transformers import PreTrainedTokenizerBase
 
-from kvlab.bench.tasks.base import MALFORMED_ROW_ERRORS, Sample, TaskData, read_json, require_str, tasks
+from kvlab.bench.tasks.base import Sample, read_json, require_str, tasks
 from kvlab.bench.tasks.squad import PARAGRAPH_STRIDE, SQuADTask
 from kvlab.errors import ConfigError
 
@@ -48,24 +48,10 @@ class MultiTurnSQuADTask(SQuADTask):
         articles = data.get("data", []) if isinstance(data, dict) else []
         return _articles_with_start(articles)
 
-    def load(self, tokenizer: PreTrainedTokenizerBase, num_samples: int) -> TaskData:
-        """`num_samples` turns from whole conversations (the last one cut if needed), turn 1 first in each."""
-        samples: list[Sample] = []
-        skipped = 0
-        for index, row in enumerate(self.rows()):
-            if len(samples) >= num_samples:
-                break
-            try:
-                samples += self.build_conversation(index, row, tokenizer)
-            except MALFORMED_ROW_ERRORS as error:
-                skipped += 1
-                logger.debug("%s: article %d skipped: %s", self.registry_name, index, error)
-        return TaskData(samples[:num_samples], skipped)
-
     def build_sample(self, index: int, row: Any, tokenizer: PreTrainedTokenizerBase) -> Sample:
-        return self.build_conversation(index, row, tokenizer)[0]
+        return self.build_samples(index, row, tokenizer)[0]
 
-    def build_conversation(self, index: int, row: Any, tokenizer: PreTrainedTokenizerBase) -> list[Sample]:
+    def build_samples(self, index: int, row: Any, tokenizer: PreTrainedTokenizerBase) -> list[Sample]:
         """The turns of one article's conversation; too few answerable paragraphs make it malformed."""
         article, start = row
         paragraphs = list(article["paragraphs"])
