@@ -66,21 +66,22 @@ def git_revision() -> dict[str, Any] | None:
     return {"commit": head, "dirty": dirty}
 
 
-def code_revision() -> str:
-    """What code produced a result: the commit, plus a digest of uncommitted changes under `src/`.
+def code_revision(root: Path | None = None) -> str:
+    """What code produced a result: the git tree of `src/` at HEAD, plus a digest of uncommitted changes there.
 
-    A cell's fingerprint holds it, so a resumed run never mixes in cells made by other code. Outside a
-    git checkout (an installed wheel) it is the package version.
+    A cell's fingerprint holds it, so a resumed run never mixes in cells made by other code, while a
+    commit that touches only docs, tests or benchmarks keeps a long run resumable. Outside a git
+    checkout (an installed wheel) it is the package version. `root` is the checkout (kvlab's own by default).
     """
-    root = Path(__file__).resolve().parents[3]
+    root = root or Path(__file__).resolve().parents[3]
     try:
-        head = _git(root, "rev-parse", "HEAD")
+        tree = _git(root, "rev-parse", "HEAD:src")
         diff = _git(root, "diff", "HEAD", "--", "src")
     except (OSError, subprocess.CalledProcessError):
         return f"kvlab {_version('kvlab') or 'unknown'}"
     if not diff:
-        return head
-    return f"{head}+{hashlib.sha256(diff.encode()).hexdigest()[:12]}"
+        return f"src@{tree}"
+    return f"src@{tree}+{hashlib.sha256(diff.encode()).hexdigest()[:12]}"
 
 
 def _git(root: Path, *args: str) -> str:
