@@ -25,10 +25,10 @@ def render_report(out: str | Path) -> Path:
     cells = _in_run_order(load_cell_metrics(directory), read_json(directory / "config.json") or {})
     if not cells:
         raise ConfigError(f"no finished benchmark cells in {directory} (run `kvlab bench --out {directory}` first)")
-    lines = _header(directory)
     configured = (read_json(directory / "config.json") or {}).get("models", [])
     found = dict.fromkeys(cell["model"] for cell in cells)
     models = [model for model in configured if model in found] + [model for model in found if model not in configured]
+    lines = _header(directory, models)
     if len(models) > 1:
         lines += models_side_by_side(cells, models)
     for model in models:
@@ -51,7 +51,8 @@ def _in_run_order(cells: list[dict[str, Any]], config: dict[str, Any]) -> list[d
     return sorted(cells, key=lambda c: (rank(task_order, c["task"]), rank(method_order, c["method"])))
 
 
-def _header(directory: Path) -> list[str]:
+def _header(directory: Path, models: Sequence[str]) -> list[str]:
+    """The run's settings; `models` are those with cells in the folder (runs of one model each may share it)."""
     environment = read_json(directory / "environment.json") or {}
     config = read_json(directory / "config.json") or {}
     revision = environment.get("git_revision") or {}
@@ -68,7 +69,7 @@ def _header(directory: Path) -> list[str]:
     return [
         "# kvlab benchmark report",
         "",
-        f"- preset: {config.get('preset', 'unknown')}; models: {', '.join(config.get('models', [])) or 'unknown'}",
+        f"- preset: {config.get('preset', 'unknown')}; models: {', '.join(models)}",
         f"- tasks: {tasks_text or 'unknown'}",
         f"- samples per task: {config.get('samples', '?')}; timing repeats per sample: {config.get('repeats', '?')}"
         + (f"; compression ratios swept: {', '.join(f'{r:g}' for r in ratios)}" if ratios else ""),

@@ -54,6 +54,19 @@ def test_models_are_side_by_side_when_there_are_two(results_folder: Path) -> Non
     assert (results_folder / "gemma3-270m_quality_by_task.png").is_file()
 
 
+def test_models_run_one_at_a_time_into_one_folder_are_all_in_the_header_and_side_by_side(
+    results_folder: Path,
+) -> None:
+    # `--model smollm2` then `--model gemma3-270m` into one folder: the last config names only gemma.
+    config = json.loads((results_folder / "config.json").read_text()) | {"preset": "paper", "models": ["gemma3-270m"]}
+    write_json(results_folder / "config.json", config)
+    cell = _cell("squad", "full", "full", 0.3, 10.0, 1.0) | {"model": "gemma3-270m"}
+    write_json(cell_dir(results_folder, "gemma3-270m", "squad", "full") / METRICS_FILE, cell)
+    report = render_report(results_folder).read_text()
+    assert "- preset: paper; models: gemma3-270m, smollm2" in report
+    assert "| method | gemma3-270m quality |" in report and "smollm2 quality" in report
+
+
 def test_a_pareto_front_needs_three_points() -> None:
     assert front_to_draw([(1.0, 2.0), (2.0, 1.0)]) == []  # two non-dominated points: no line
     assert front_to_draw([(1.0, 3.0), (2.0, 2.0), (3.0, 1.0), (0.5, 0.5)]) == [0, 1, 2]
