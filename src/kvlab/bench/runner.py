@@ -21,7 +21,7 @@ from kvlab.bench.config import BenchConfig
 from kvlab.bench.methods import FULL_LABEL, BenchMethod, run_method
 from kvlab.bench.multiturn import compressor_for_turn
 from kvlab.bench.summary import median_stats, summarize_cell
-from kvlab.bench.system import code_revision, environment_record, git_revision, track_peak_memory
+from kvlab.bench.system import RunRevision, code_revision, environment_record, git_revision, track_peak_memory
 from kvlab.bench.tasks import Sample, Task, TaskData, tasks
 from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
@@ -100,7 +100,7 @@ def _run_models(
     results.write_json(out / "config.json", config.to_dict())
     results.write_json(out / "environment.json", environment_record(config.device))
     # Once per run: the code in memory is the code at start, whatever is committed meanwhile.
-    revision = code_revision()
+    revision = RunRevision(code_revision(), git_revision())
     cells: list[dict[str, Any]] = []
     for model in config.models:
         loaded = loaded_models.get(model) or load_model(model, dtype=config.dtype, device=config.device)
@@ -167,15 +167,15 @@ def run_cell(
     config: BenchConfig,
     callbacks: BenchCallbacks,
     warmed: set[str],
-    revision: str,
+    revision: RunRevision,
 ) -> dict[str, Any]:
     """Generate and score the cell's missing samples, then write and return its metrics.
 
     `warmed` holds the labels of methods already warmed up in this process (updated here);
-    `revision` is the code revision (`code_revision()`) the cell's fingerprint records.
+    `revision` is the code the run started with; the cell's fingerprint and metrics record it.
     """
     directory = results.cell_dir(out, model, item.name, method.label)
-    fingerprint = cell_fingerprint(model, item.task, method, config, revision)
+    fingerprint = cell_fingerprint(model, item.task, method, config, revision.source)
     finished = _finished_metrics(directory, fingerprint, len(item.data.samples))
     if finished is not None:
         return finished
@@ -212,7 +212,7 @@ def run_cell(
         "scorer": item.task.scorer,
         "skipped_rows": item.data.skipped_rows,
         "fingerprint": fingerprint,
-        "git_revision": git_revision(),
+        "git_revision": revision.commit,
     }
     metrics = summarize_cell(records, full_records, item.task.primary_metric, header)
     results.write_json(directory / results.METRICS_FILE, metrics)

@@ -55,6 +55,19 @@ def environment_record(device: str) -> dict[str, Any]:
     }
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunRevision:
+    """The code a run started with, read once: cells finished later record it, not the checkout as it is then.
+
+    Attributes:
+        source: `code_revision()`, what cell fingerprints compare.
+        commit: `git_revision()`, the checkout's HEAD and whether it had uncommitted changes (for readers).
+    """
+
+    source: str
+    commit: dict[str, Any] | None
+
+
 def git_revision() -> dict[str, Any] | None:
     """HEAD of the git checkout kvlab runs from, and whether it has uncommitted changes (None outside git)."""
     root = Path(__file__).resolve().parents[3]

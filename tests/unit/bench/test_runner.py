@@ -160,6 +160,17 @@ def test_bad_configs_are_config_errors(overrides: dict[str, Any], message: str) 
         _config(Path("unused"), **overrides)
 
 
+def test_every_cell_records_the_commit_the_run_started_with(
+    tmp_path: Path, tiny: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A commit made while a long run goes on must not be credited with the cells finished after it.
+    commits = iter([{"commit": f"commit-{index}", "dirty": False} for index in range(100)])
+    monkeypatch.setattr(runner, "git_revision", lambda: next(commits))
+    cells = run_benchmark(_config(tmp_path, samples=1, warmup=False), loaded_models=tiny)
+    assert len(cells) == 6
+    assert {cell["git_revision"]["commit"] for cell in cells} == {"commit-0"}
+
+
 def test_cells_of_other_code_are_never_reused(tmp_path: Path, tiny: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch) -> None:
     config = _config(tmp_path, samples=1, tasks=TASKS[:1], warmup=False)
     run_benchmark(config, loaded_models=tiny)
