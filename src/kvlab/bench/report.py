@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.bench.plots import render_plots
+from kvlab.bench.presets import PRESETS
 from kvlab.bench.results import load_cell_metrics, model_slug, read_json
 from kvlab.errors import ConfigError
 
@@ -25,9 +26,7 @@ def render_report(out: str | Path) -> Path:
     cells = _in_run_order(load_cell_metrics(directory), read_json(directory / "config.json") or {})
     if not cells:
         raise ConfigError(f"no finished benchmark cells in {directory} (run `kvlab bench --out {directory}` first)")
-    configured = (read_json(directory / "config.json") or {}).get("models", [])
-    found = dict.fromkeys(cell["model"] for cell in cells)
-    models = [model for model in configured if model in found] + [model for model in found if model not in configured]
+    models = _models_in_order(cells, read_json(directory / "config.json") or {})
     lines = _header(directory, models)
     if len(models) > 1:
         lines += models_side_by_side(cells, models)
@@ -38,6 +37,18 @@ def render_report(out: str | Path) -> Path:
     path = directory / REPORT_FILE
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def _models_in_order(cells: list[dict[str, Any]], config: dict[str, Any]) -> list[str]:
+    """Models with cells, in the preset's order, then as the last run listed them, then by name.
+
+    Runs of one model each may share a folder (`--model smollm2`, then `--model gemma3-270m`): the
+    last run's config names only its own model, the preset names both.
+    """
+    found = sorted({cell["model"] for cell in cells})
+    preset_models = list(PRESETS[config["preset"]].models) if config.get("preset") in PRESETS else []
+    order = list(dict.fromkeys([*preset_models, *config.get("models", []), *found]))
+    return [model for model in order if model in found]
 
 
 def _in_run_order(cells: list[dict[str, Any]], config: dict[str, Any]) -> list[dict[str, Any]]:

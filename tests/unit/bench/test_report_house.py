@@ -63,8 +63,8 @@ def test_models_run_one_at_a_time_into_one_folder_are_all_in_the_header_and_side
     cell = _cell("squad", "full", "full", 0.3, 10.0, 1.0) | {"model": "gemma3-270m"}
     write_json(cell_dir(results_folder, "gemma3-270m", "squad", "full") / METRICS_FILE, cell)
     report = render_report(results_folder).read_text()
-    assert "- preset: paper; models: gemma3-270m, smollm2" in report
-    assert "| method | gemma3-270m quality |" in report and "smollm2 quality" in report
+    assert "- preset: paper; models: smollm2, gemma3-270m" in report, "in the preset's order"
+    assert "| method | smollm2 quality | smollm2 fidelity | smollm2 KV bytes | gemma3-270m quality |" in report
 
 
 def test_a_pareto_front_needs_three_points() -> None:
