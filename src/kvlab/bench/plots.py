@@ -122,6 +122,30 @@ def curve_points(
     return {family: sorted(points) for family, points in lines.items()}
 
 
+def label_offsets(
+    points: Sequence[tuple[float, float]], height_pt: float = 300.0, width_frac: float = 0.2, gap_pt: float = 10.0
+) -> list[float]:
+    """How far up, in points, to lift each point's label so labels of nearby points do not overprint.
+
+    Points are placed on axes that start at zero, `height_pt` tall; a label is `width_frac` of the
+    x range wide and one line (`gap_pt`) high. From the lowest point up, each label goes at its point
+    or just above every label already placed that it would overlap.
+    """
+    x_max = max((x for x, _ in points), default=0.0) or 1.0
+    y_max = max((y for _, y in points), default=0.0) or 1.0
+    placed: list[tuple[float, float]] = []  # (x as a fraction of the range, label height in points)
+    offsets = [0.0] * len(points)
+    for index in sorted(range(len(points)), key=lambda i: (points[i][1], points[i][0])):
+        x, y = points[index][0] / x_max, points[index][1] / y_max * height_pt
+        label = y
+        for other_x, other_label in sorted(placed, key=lambda item: item[1]):
+            if abs(other_x - x) < width_frac and label - gap_pt < other_label < label + gap_pt:
+                label = other_label + gap_pt
+        placed.append((x, label))
+        offsets[index] = label - y
+    return offsets
+
+
 def _figure_class() -> Any:
     try:
         from matplotlib.figure import Figure
@@ -137,16 +161,20 @@ def _scatter(figure_class: Any, cells: Sequence[dict[str, Any]], title: str, pat
     figure = figure_class(figsize=(7, 5), layout="constrained")
     axes = figure.subplots()
     axes.scatter([x for x, _ in coordinates], [y for _, y in coordinates], color="tab:blue", zorder=3)
-    for name, (x, y) in zip(names, coordinates):
-        axes.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    offsets = label_offsets(coordinates)
+    for name, (x, y), lift in zip(names, coordinates, offsets):
+        leader = {"arrowstyle": "-", "color": "0.6", "linewidth": 0.5} if lift else None
+        axes.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4 + lift), fontsize=8, arrowprops=leader)
     front = front_to_draw(coordinates)
     if front:
         xs, ys = [coordinates[i][0] for i in front], [coordinates[i][1] for i in front]
         axes.plot(xs, ys, color="tab:red", linestyle="--", label="Pareto front", zorder=2)
         axes.legend()
-    # From zero, so a gap of 0.01 looks like one.
+    # From zero, so a gap of 0.01 looks like one; tall enough for the lifted labels.
     axes.set_xlim(left=0)
-    axes.set_ylim(bottom=0)
+    y_max = max((y for _, y in coordinates), default=0.0) or 1.0
+    label_top = max((y + (lift + 16.0) / 300.0 * y_max for (_, y), lift in zip(coordinates, offsets)), default=y_max)
+    axes.set_ylim(bottom=0, top=max(1.05 * y_max, label_top))
     axes.set_xlabel("decode throughput, tokens/s (median over tasks)")
     axes.set_ylabel("quality (mean of primary metrics over tasks)")
     axes.set_title(title)

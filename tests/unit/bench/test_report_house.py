@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvlab.bench import preset_config
-from kvlab.bench.plots import curve_points, front_to_draw, is_ratio_sweep, method_family
+from kvlab.bench.plots import curve_points, front_to_draw, is_ratio_sweep, label_offsets, method_family
 from kvlab.bench.report import render_report
 from kvlab.bench.results import (
     METRICS_FILE,
@@ -65,6 +65,17 @@ def test_models_run_one_at_a_time_into_one_folder_are_all_in_the_header_and_side
     report = render_report(results_folder).read_text()
     assert "- preset: paper; models: smollm2, gemma3-270m" in report, "in the preset's order"
     assert "| method | smollm2 quality | smollm2 fidelity | smollm2 KV bytes | gemma3-270m quality |" in report
+
+
+def test_labels_of_points_on_top_of_each_other_are_stacked_and_lone_points_stay_put() -> None:
+    # Four rows at about the same speed and quality (the Gemma paper run's cam-50, cam-75, full, snapkv-75).
+    crowd = [(9.10, 0.185), (9.12, 0.184), (9.40, 0.184), (9.45, 0.184)]
+    lone = [(5.7, 0.184), (9.5, 0.10)]
+    offsets = label_offsets(crowd + lone)
+    heights = sorted(y / 0.185 * 300 + lift for (_, y), lift in zip(crowd, offsets[:4]))
+    assert all(upper - lower >= 10.0 - 1e-9 for lower, upper in zip(heights, heights[1:])), heights
+    assert offsets[4:] == [0.0, 0.0]
+    assert label_offsets([]) == []
 
 
 def test_a_pareto_front_needs_three_points() -> None:
