@@ -23,8 +23,8 @@ from kvlab.bench.codec.report import rate_fidelity_tables
 from kvlab.codec import codecs, create_codec
 from kvlab.codec.prediction import channel_contexts, entropy_bits, token_residuals, undo_token_residuals
 from kvlab.store.resolution import RESOLUTIONS
-from tests.unit.codec.matrix import random_kv
 from tests.unit.cli.test_codec import one_line_error
+from tests.unit.codec.matrix import random_kv
 
 
 def test_every_code_lossless_codec_is_benched_at_every_bit_width() -> None:
