@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import typing
 from pathlib import Path
 from typing import Any
@@ -130,14 +131,29 @@ def _field_type(name: str, key: str) -> Any:
     return typing.get_type_hints(tasks.get(name)).get(key, Any)
 
 
+def progress_line(model: str, task: str, method: str, done: int, total: int, elapsed_s: float) -> str:
+    """One line of progress for logs, where no bar is drawn: samples done, time spent and left, the next cell."""
+    left = f"about {_duration(elapsed_s / done * (total - done))} left" if done else "time left unknown yet"
+    return f"{model}: {done}/{total} samples, {_duration(elapsed_s)} elapsed, {left}; next: {task} / {method}"
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
 class BarCallbacks(BenchCallbacks):
-    """The run's settings, then a stderr progress bar over its samples: live samples/s, ETA, the current cell."""
+    """The run's settings, then progress on stderr: a live bar (samples/s, ETA, the current cell) on a
+    terminal, or, when stderr is a log, one line per cell with the samples done and the time left."""
 
     def __init__(self, enabled: bool, defaulted: bool = False) -> None:
         self.verbose = enabled
         self.enabled = enabled and sys.stderr.isatty()
         self.defaulted = defaulted
         self._bar: tqdm[Any] | None = None
+        self._total = self._done = 0
+        self._started = time.monotonic()
 
     def on_begin(self, config: BenchConfig) -> None:
         if self.verbose:
@@ -145,6 +161,7 @@ class BarCallbacks(BenchCallbacks):
 
     def on_start(self, model: str, total_samples: int) -> None:
         self.close()
+        self._total, self._done, self._started = total_samples, 0, time.monotonic()
         self._bar = tqdm(
             total=total_samples, unit="sample", file=sys.stderr, disable=not self.enabled, dynamic_ncols=True, desc=model
         )
@@ -152,8 +169,12 @@ class BarCallbacks(BenchCallbacks):
     def on_cell(self, model: str, task: str, method: str) -> None:
         if self._bar is not None:
             self._bar.set_postfix_str(f"{task} / {method}")
+        if self.verbose and not self.enabled and self._done < self._total:
+            elapsed = time.monotonic() - self._started
+            print(progress_line(model, task, method, self._done, self._total, elapsed), file=sys.stderr, flush=True)
 
     def on_sample(self) -> None:
+        self._done += 1
         if self._bar is not None:
             self._bar.update(1)
 

@@ -10,6 +10,7 @@ import pytest
 
 from kvlab.bench.results import METRICS_FILE, cell_dir, write_json
 from kvlab.cli import main
+from kvlab.cli.bench import BarCallbacks, progress_line
 from tests.unit.bench.test_report import _cell
 
 
@@ -61,3 +62,30 @@ def test_ls_lists_every_task_with_its_parameters(capsys: pytest.CaptureFixture[s
     listed = {row["name"]: row for row in json.loads(capsys.readouterr().out)["tasks"]}
     assert set(listed) == set(tasks.names())
     assert "context_tokens" in {param["name"] for param in listed["hotpotqa"]["parameters"]}
+
+
+def test_a_progress_line_says_what_is_done_how_long_it_took_and_what_is_left() -> None:
+    assert progress_line("smollm2", "squad", "kivi-2", 10, 40, 600.0) == (
+        "smollm2: 10/40 samples, 10m00s elapsed, about 30m00s left; next: squad / kivi-2"
+    )
+    assert progress_line("gemma3-270m", "xsum", "full", 0, 250, 3.0).endswith("time left unknown yet; next: xsum / full")
+    assert "1h15m elapsed" in progress_line("m", "t", "r", 1, 2, 4500.0)
+
+
+def test_without_a_terminal_the_run_logs_one_progress_line_per_cell(capsys: pytest.CaptureFixture[str]) -> None:
+    # Under capsys stderr is not a terminal, as in a log file or CI: no bar, but lines.
+    with BarCallbacks(enabled=True) as callbacks:
+        callbacks.on_start("smollm2", total_samples=4)
+        callbacks.on_cell("smollm2", "squad", "full")
+        callbacks.on_sample()
+        callbacks.on_sample()
+        callbacks.on_cell("smollm2", "squad", "kivi-2")
+        callbacks.on_sample()
+        callbacks.on_sample()
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(",")[0] for line in lines] == ["smollm2: 0/4 samples", "smollm2: 2/4 samples"]
+    assert lines[1].endswith("next: squad / kivi-2") and "left" in lines[1]
+    with BarCallbacks(enabled=False) as quiet:
+        quiet.on_start("smollm2", total_samples=1)
+        quiet.on_cell("smollm2", "squad", "full")
+    assert capsys.readouterr().err == ""
