@@ -122,8 +122,15 @@ def curve_points(
     return {family: sorted(points) for family, points in lines.items()}
 
 
+# Height of a scatter plot's axes in points (a 5-inch figure less its margins), for placing labels.
+AXES_HEIGHT_PT = 300.0
+
+
 def label_offsets(
-    points: Sequence[tuple[float, float]], height_pt: float = 300.0, width_frac: float = 0.2, gap_pt: float = 10.0
+    points: Sequence[tuple[float, float]],
+    height_pt: float = AXES_HEIGHT_PT,
+    width_frac: float = 0.2,
+    gap_pt: float = 10.0,
 ) -> list[float]:
     """How far up, in points, to lift each point's label so labels of nearby points do not overprint.
 
@@ -173,7 +180,10 @@ def _scatter(figure_class: Any, cells: Sequence[dict[str, Any]], title: str, pat
     # From zero, so a gap of 0.01 looks like one; tall enough for the lifted labels.
     axes.set_xlim(left=0)
     y_max = max((y for _, y in coordinates), default=0.0) or 1.0
-    label_top = max((y + (lift + 16.0) / 300.0 * y_max for (_, y), lift in zip(coordinates, offsets)), default=y_max)
+    # A label's top sits its lift plus about two lines (16 points) above its point.
+    label_top = max(
+        (y + (lift + 16.0) / AXES_HEIGHT_PT * y_max for (_, y), lift in zip(coordinates, offsets)), default=y_max
+    )
     axes.set_ylim(bottom=0, top=max(1.05 * y_max, label_top))
     axes.set_xlabel("decode throughput, tokens/s (median over tasks)")
     axes.set_ylabel("quality (mean of primary metrics over tasks)")
