@@ -231,6 +231,10 @@ def _grouped_bars(
     return path
 
 
+CURVE_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+CURVE_DASHES = ("-", "--", "-.", ":")
+
+
 def _curves(figure_class: Any, cells: Sequence[dict[str, Any]], title: str, path: Path) -> Path:
     figure = figure_class(figsize=(12, 5), layout="constrained")
     panels = figure.subplots(1, 2)
@@ -242,8 +246,18 @@ def _curves(figure_class: Any, cells: Sequence[dict[str, Any]], title: str, path
     )
     lossless = sorted({c["method"] for c in cells if c["kind"] == "lossless"})
     for axes, value, ylabel, full_level in series:
-        for family, points in curve_points(cells, value).items():
-            axes.plot([x for x, _ in points], [y for _, y in points], marker="o", label=family)
+        for index, (family, points) in enumerate(curve_points(cells, value).items()):
+            # Methods can coincide (CaM and StreamingLLM keep the same tokens): each line gets its own
+            # marker and dash, drawn thinner as it goes, so one never hides another.
+            axes.plot(
+                [x for x, _ in points],
+                [y for _, y in points],
+                marker=CURVE_MARKERS[index % len(CURVE_MARKERS)],
+                linestyle=CURVE_DASHES[index % len(CURVE_DASHES)],
+                linewidth=max(3.0 - 0.5 * index, 1.0),
+                markersize=max(9.0 - 1.5 * index, 4.0),
+                label=family,
+            )
         if full_level is not None:
             axes.axhline(full_level, color="black", linewidth=1, label="full KV")
             for name in lossless:
