@@ -23,11 +23,12 @@ def render_report(out: str | Path) -> Path:
     directory = Path(out).expanduser()
     if not directory.is_dir():
         raise ConfigError(f"results folder not found: {directory}")
-    cells = _in_run_order(load_cell_metrics(directory), read_json(directory / "config.json") or {})
+    config = read_json(directory / "config.json") or {}
+    cells = _in_run_order(load_cell_metrics(directory), config)
     if not cells:
         raise ConfigError(f"no finished benchmark cells in {directory} (run `kvlab bench --out {directory}` first)")
-    models = _models_in_order(cells, read_json(directory / "config.json") or {})
-    lines = _header(directory, models)
+    models = _models_in_order(cells, config)
+    lines = _header(directory, config, models)
     if len(models) > 1:
         lines += models_side_by_side(cells, models)
     for model in models:
@@ -62,10 +63,9 @@ def _in_run_order(cells: list[dict[str, Any]], config: dict[str, Any]) -> list[d
     return sorted(cells, key=lambda c: (rank(task_order, c["task"]), rank(method_order, c["method"])))
 
 
-def _header(directory: Path, models: Sequence[str]) -> list[str]:
-    """The run's settings; `models` are those with cells in the folder (runs of one model each may share it)."""
+def _header(directory: Path, config: dict[str, Any], models: Sequence[str]) -> list[str]:
+    """The last run's settings; `models` are those with cells in the folder (runs of one model each may share it)."""
     environment = read_json(directory / "environment.json") or {}
-    config = read_json(directory / "config.json") or {}
     revision = environment.get("git_revision") or {}
     cpu = environment.get("cpu") or {}
     gpus = ", ".join(gpu["name"] for gpu in environment.get("gpu") or []) or "none"
