@@ -55,6 +55,10 @@ def environment_record(device: str) -> dict[str, Any]:
     }
 
 
+# The folder kvlab runs from when it is a source checkout (src/kvlab/bench/system.py is 3 levels down).
+CHECKOUT = Path(__file__).resolve().parents[3]
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RunRevision:
     """The code a run started with, read once: cells finished later record it, not the checkout as it is then.
@@ -70,10 +74,9 @@ class RunRevision:
 
 def git_revision() -> dict[str, Any] | None:
     """HEAD of the git checkout kvlab runs from, and whether it has uncommitted changes (None outside git)."""
-    root = Path(__file__).resolve().parents[3]
     try:
-        head = _git(root, "rev-parse", "HEAD")
-        dirty = bool(_git(root, "status", "--porcelain", "--untracked-files=no"))
+        head = _git(CHECKOUT, "rev-parse", "HEAD")
+        dirty = bool(_git(CHECKOUT, "status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.CalledProcessError):
         return None
     return {"commit": head, "dirty": dirty}
@@ -86,7 +89,7 @@ def code_revision(root: Path | None = None) -> str:
     commit that touches only docs, tests or benchmarks keeps a long run resumable. Outside a git
     checkout (an installed wheel) it is the package version. `root` is the checkout (kvlab's own by default).
     """
-    root = root or Path(__file__).resolve().parents[3]
+    root = root or CHECKOUT
     try:
         tree = _git(root, "rev-parse", "HEAD:src")
         diff = _git(root, "diff", "HEAD", "--", "src")
