@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +38,16 @@ class Planted:
 @pytest.fixture(scope="session")
 def victim_model() -> LoadedModel:
     return tiny_llama(num_kv_heads=2, seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The victim model saved as a local model directory, for a CLI or a server to load by path."""
+    directory = tmp_path_factory.mktemp("tiny-model")
+    loaded = tiny_llama(num_kv_heads=2, seed=3)
+    loaded.model.save_pretrained(directory)
+    loaded.tokenizer.save_pretrained(directory)
+    return directory
 
 
 def prefix_config() -> PrefixConfig:

@@ -7,6 +7,10 @@ import dataclasses
 from kvlab.cache.tiers import TierSpec
 from kvlab.errors import ConfigError
 
+# The sampling generator's seed range (torch takes a signed or unsigned 64-bit integer).
+MIN_SEED = -(1 << 63)
+MAX_SEED = (1 << 64) - 1
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GenerationConfig:
@@ -58,6 +62,8 @@ class GenerationConfig:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not MIN_SEED <= self.seed <= MAX_SEED:
+            raise ConfigError(f"seed must be a 64-bit integer, from -2**63 to 2**64 - 1, got {self.seed}")
         TierSpec.parse(self.full_kv_tier)
         if any(not stop for stop in self.stop_strings):
             raise ConfigError("stop strings must not be empty")

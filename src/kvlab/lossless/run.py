@@ -85,10 +85,11 @@ class LosslessRun:
 
     def add_request(self, config: GenerationConfig, lossless: LosslessConfig | None = None) -> int:
         """A new request with its own settings and seeded generator; returns its index (admit it next)."""
+        generator = sampling_generator(config, self.loaded.device)  # may raise: before any state changes
         request = self.rows.add(stop_checker(self.loaded, config))
         self.prompts.append([])
         self.configs.append(config)
-        self.generators.append(sampling_generator(config, self.loaded.device))
+        self.generators.append(generator)
         self.settings.append(lossless or self.lossless)
         return request
 

@@ -93,6 +93,8 @@ def create_app(engine: ServeEngine, config: ServeConfig, default_lossless: Lossl
 
     @app.get("/health")
     async def health() -> Response:
+        if engine.failure is not None or not engine.healthy:
+            return JSONResponse({"status": "engine failed", "error": engine.failure}, status_code=503)
         if engine.closing:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return JSONResponse({"status": "ok"})

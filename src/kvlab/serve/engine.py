@@ -20,6 +20,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from kvlab.errors import KvlabError
@@ -59,13 +60,21 @@ class ServeEngine:
         loaded: The model.
         config: Limits, prefill piece size, draft weights and the prefix store.
         metrics: Updated as requests move through (a private set when None).
+        on_failure: Called once if the engine thread itself fails (the server then exits non-zero).
         default_lossless: Settings lossless requests start from (drafter and draft length are per request).
     """
 
     def __init__(
-        self, loaded: LoadedModel, config: ServeConfig, default_lossless: LosslessConfig, metrics: ServeMetrics | None = None
+        self,
+        loaded: LoadedModel,
+        config: ServeConfig,
+        default_lossless: LosslessConfig,
+        metrics: ServeMetrics | None = None,
+        on_failure: Callable[[], None] | None = None,
     ) -> None:
         self.loaded = loaded
+        self.on_failure = on_failure
+        self.failure: str | None = None
         self.config = config
         self.default_lossless = default_lossless
         self.metrics = metrics or ServeMetrics(loaded.name)
@@ -94,6 +103,8 @@ class ServeEngine:
             EngineClosedError: The engine is shutting down.
         """
         with self._cond:
+            if self.failure is not None:
+                raise EngineClosedError(f"the engine failed ({self.failure}); the server is stopping")
             if self._closing:
                 raise EngineClosedError("the server is shutting down")
             in_system = len(self._fetching) + len(self._ready) + len(self._prefilling) + len(self._running)
@@ -169,6 +180,35 @@ class ServeEngine:
     # ----- the engine thread
 
     def _loop(self) -> None:
+        try:
+            self._serve_until_stopped()
+        except BaseException as error:  # noqa: BLE001 - a dead engine must fail its requests, not hang them
+            logger.exception("the engine thread failed; failing every request and refusing new ones")
+            self._die(f"{type(error).__name__}: {error}")
+
+    def _die(self, reason: str) -> None:
+        """Fail every request in the system and refuse new ones: the engine thread is gone."""
+        with self._cond:
+            self.failure = reason
+            self._closing = True
+            waiting = [*self._fetching, *self._ready, *(entry[1] for entry in self._prefilling), *self._running.values()]
+            self._fetching.clear()
+            self._ready.clear()
+            self._prefilling.clear()
+            self._running.clear()
+        for request in waiting:
+            if not request.cancelled:
+                request.cancelled = True
+                self._fail(request, f"the engine failed: {reason}")
+        if self.on_failure is not None:
+            self.on_failure()
+
+    @property
+    def healthy(self) -> bool:
+        """The engine thread is alive and has not failed."""
+        return self.failure is None and self._thread.is_alive()
+
+    def _serve_until_stopped(self) -> None:
         while True:
             with self._cond:
                 while not (self._ready or self._prefilling or self.run.sequences or self._stopped):
@@ -190,7 +230,12 @@ class ServeEngine:
             if request.cancelled:
                 self.metrics.failed("cancelled")
                 continue
-            index = self.run.add_request(request.config, request.lossless)
+            try:
+                index = self.run.add_request(request.config, request.lossless)
+            except Exception as error:  # noqa: BLE001 - one request's failure is that request's alone
+                logger.exception("admitting a request failed")
+                self._fail(request, f"admission failed: {type(error).__name__}: {error}")
+                continue
             request.prefill_start_s = time.perf_counter()
             self._prefilling.append((index, request, None))
         self._update_gauges()

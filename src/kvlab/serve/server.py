@@ -34,7 +34,13 @@ def run_server(config: ServeConfig, verbose: bool = False) -> int:
     """Serve until stopped; returns the exit code (0 after a graceful shutdown)."""
     lossless = default_lossless(config)
     loaded = load_model(config.model, dtype=config.dtype, device=config.device)
-    engine = ServeEngine(loaded, config, lossless)
+    servers: list[uvicorn.Server] = []
+
+    def stop_serving() -> None:  # the engine thread failed: exit non-zero rather than hang every request
+        for server in servers:
+            server.should_exit = True
+
+    engine = ServeEngine(loaded, config, lossless, on_failure=stop_serving)
     app = create_app(engine, config, lossless)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -56,9 +62,13 @@ def run_server(config: ServeConfig, verbose: bool = False) -> int:
     # Uvicorn re-raises the signal that stopped it once it has shut down, under the handler found at
     # start: an ignoring one makes a graceful SIGTERM end in exit status 0 (Ctrl-C still exits 130).
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    servers.append(server)
     try:
         server.run()
     finally:
         if not engine.closing:  # uvicorn failed before the app's shutdown ran (e.g. the port was taken)
             engine.shutdown(0.0)
+    if engine.failure is not None:
+        logger.error("kvlab serve: the engine failed (%s); exiting", engine.failure)
+        return 1
     return 0 if server.started else 1

@@ -259,3 +259,48 @@ def test_a_request_waiting_for_its_fetch_does_not_block_the_queue(loaded: Loaded
         assert fetched.output.token_ids == offline(loaded, PROMPTS[2], generation, "plain")
     finally:
         engine.shutdown()
+
+
+def test_a_request_that_fails_at_admission_fails_alone_and_the_others_go_on(engine: ServeEngine, loaded: LoadedModel) -> None:
+    # The seed is validated by GenerationConfig; forced past it, it reproduces an exception inside the
+    # engine thread (torch's generator refuses a seed of 2**64), which must fail only its own request.
+    poisoned = GenerationConfig(max_new_tokens=4, temperature=0.5)
+    object.__setattr__(poisoned, "seed", 1 << 64)
+    collector = Collector()
+    good = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    engine.submit(make_request(collector, 0, PROMPTS[0], good))
+    engine.submit(make_request(collector, 1, PROMPTS[1], poisoned))
+    engine.submit(make_request(collector, 2, PROMPTS[2], good))
+    failed = collector.wait(1)
+    assert isinstance(failed, FailedEvent) and "admission failed" in failed.message, failed
+    for tag in (0, 2):
+        event = collector.wait(tag)
+        assert isinstance(event, FinishedEvent), f"request {tag} did not finish beside the failed one: {event}"
+        assert event.output.token_ids == offline(loaded, PROMPTS[tag], good, "plain")
+    assert engine.healthy and engine.failure is None
+    assert isinstance(run_one(engine, PROMPTS[3], good, "plain"), FinishedEvent), "a later request hung"
+
+
+def test_an_engine_thread_that_dies_fails_its_requests_reports_unhealthy_and_refuses_more(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    died = threading.Event()
+    engine = ServeEngine(loaded, ServeConfig(max_num_seqs=2), LosslessConfig(compressors.create("snapkv")),
+                         on_failure=died.set)
+    collector = Collector()
+    running = make_request(collector, 0, PROMPTS[0], GenerationConfig(max_new_tokens=400, ignore_eos=True))
+    engine.submit(running)
+    while not any(tag == 0 for tag, _ in collector.log):
+        time.sleep(0.001)
+
+    def broken_step() -> None:
+        raise MemoryError("simulated: the engine itself broke")
+
+    monkeypatch.setattr(engine, "_decode_step", broken_step)
+    event = collector.wait(0)
+    assert isinstance(event, FailedEvent) and "the engine failed" in event.message, event
+    assert died.wait(10), "on_failure was not called: the server would keep answering /health ok"
+    assert not engine.healthy and engine.failure is not None and "MemoryError" in engine.failure
+    with pytest.raises(EngineClosedError, match="engine failed"):
+        engine.submit(make_request(collector, 1, PROMPTS[1], GenerationConfig(max_new_tokens=4)))
+    engine.shutdown()
