@@ -1,6 +1,7 @@
 """The only code that builds and mutates KV caches."""
 
-from kvlab.cache.kv_cache import FullKVLayer, KVCache, KVLayer
+from kvlab.cache.kv_cache import KVCache
+from kvlab.cache.layers import FullKVLayer, KVLayer, LayerGeometry, LayerKV
 from kvlab.cache.step import ForwardStep, PackedStep, PairedPrefillStep, Segment, forward, run_packed, run_step
 
 __all__ = [
@@ -8,6 +9,8 @@ __all__ = [
     "FullKVLayer",
     "KVCache",
     "KVLayer",
+    "LayerGeometry",
+    "LayerKV",
     "PackedStep",
     "PairedPrefillStep",
     "Segment",

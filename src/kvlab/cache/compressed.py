@@ -14,29 +14,20 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlab.cache.kv_cache import FullKVLayer, KVLayer
+from kvlab.cache.layers import FullKVLayer, KVLayer, LayerGeometry
 from kvlab.compress.base import CompressionContext, Compressor, full_kv_nbytes
 from kvlab.compress.eviction import EvictionCompressor
 from kvlab.compress.quantization import QuantizationCompressor, QuantizedBlock
 
 
-def make_layer(
-    compressor: Compressor | None,
-    batch_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    capacity: int,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    sliding_window: int | None,
-) -> KVLayer:
+def make_layer(compressor: Compressor | None, geometry: LayerGeometry, sliding_window: int | None) -> KVLayer:
     """The layer kind that stores what `compressor` keeps (sliding-window layers stay full)."""
     if compressor is None or sliding_window is not None:
-        return FullKVLayer(batch_size, num_kv_heads, head_dim, capacity, dtype, device, sliding_window)
+        return FullKVLayer.create(geometry, sliding_window)
     if isinstance(compressor, EvictionCompressor):
-        return EvictedKVLayer(compressor, batch_size, num_kv_heads, head_dim, capacity, dtype, device)
+        return EvictedKVLayer(compressor, geometry)
     if isinstance(compressor, QuantizationCompressor):
-        return QuantizedKVLayer(compressor, batch_size, num_kv_heads, head_dim, capacity, dtype, device)
+        return QuantizedKVLayer(compressor, geometry)
     raise TypeError(f"no cache layer for compressor family {type(compressor).__mro__[1].__name__}")
 
 
@@ -56,20 +47,12 @@ class CompressedKVLayer(FullKVLayer):
     row_state: ClassVar[dict[str, Callable[[], Any]]] = {}
     compressor: Compressor
 
-    def __init__(
-        self,
-        compressor: Compressor,
-        batch_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        capacity: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        super().__init__(batch_size, num_kv_heads, head_dim, capacity, dtype, device)
+    def __init__(self, compressor: Compressor, geometry: LayerGeometry) -> None:
+        g = geometry
+        super().__init__(g.batch_size, g.num_kv_heads, g.head_dim, g.capacity, g.dtype, g.device)
         self.compressor = compressor
         for name, empty in self.row_state.items():
-            setattr(self, name, [empty() for _ in range(batch_size)])
+            setattr(self, name, [empty() for _ in range(g.batch_size)])
 
     def select_rows(self, rows: list[int]) -> None:
         super().select_rows(rows)
@@ -78,8 +61,7 @@ class CompressedKVLayer(FullKVLayer):
             setattr(self, name, [state[row] for row in rows])
 
     def empty_like(self, batch_size: int, capacity: int) -> CompressedKVLayer:
-        heads, dim = self.keys.shape[1], self.keys.shape[3]
-        return type(self)(self.compressor, batch_size, heads, dim, capacity, self.keys.dtype, self.keys.device)
+        return type(self)(self.compressor, self.geometry.resized(batch_size, capacity))
 
     def copy_row_from(self, source: KVLayer, source_row: int, row: int) -> None:
         assert type(source) is type(self)

@@ -16,6 +16,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from kvlab.attention import softcapped_attention
+
 ATTENTION_IMPLEMENTATION = "kvlab"
 
 
@@ -49,10 +51,7 @@ def _kvlab_attention(
         scaling = query.shape[-1] ** -0.5
     if kvlab_step is None:
         if softcap is not None:
-            # SDPA has no soft-cap; transformers' own calls of a soft-capping model take the explicit path
-            # (imported here: the attention math lives in the cache layer, which imports models).
-            from kvlab.cache.attention import softcapped_attention
-
+            # SDPA has no soft-cap; transformers' own calls of a soft-capping model take the explicit path.
             mask = attention_mask if attention_mask is None or attention_mask.dtype == torch.bool else attention_mask == 0
             return softcapped_attention(query, key, value, mask, scaling, softcap).transpose(1, 2), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

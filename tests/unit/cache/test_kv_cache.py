@@ -156,7 +156,7 @@ def test_prefill_in_fixed_chunks_gives_a_chunk_the_same_bits_in_any_prompt(tiny_
 
 
 def test_padded_causal_attention_equals_masked_attention() -> None:
-    from kvlab.cache.attention import _padded_causal, visibility_mask
+    from kvlab.attention import _padded_causal, visibility_mask
 
     torch.manual_seed(0)
     for heads, kv_heads in ((4, 4), (6, 2)):

@@ -1,5 +1,8 @@
 """Attention of new queries over the keys/values a cache layer stores (pure functions).
 
+The ground floor under both `kvlab.models` (the attention hook's soft-capped path) and `kvlab.cache`
+(every cache layer attends through it), so neither imports the other for it.
+
 Stored keys carry their true sequence positions, so `attend` serves a full cache (position ==
 index), a batch whose rows hold different lengths, a sliding window, and an evicted cache whose
 positions have gaps. When the mask is trivial the call matches transformers' own SDPA call exactly

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.cache.attention import (
+from kvlab.attention import (
     attend_newest,
     attend_newest_reference,
     attention_with_lse,
