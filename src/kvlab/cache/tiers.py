@@ -9,6 +9,8 @@ A tier makes that cost real:
   setting); every read copies the row's stored tokens to the model's device first.
 - `disk`: the home is one preallocated file per layer, read with O_DIRECT so every read really
   reaches storage (where the file system refuses O_DIRECT, pages are dropped after each read).
+  Every token written keeps a checksum in memory, checked on every read: a file changed under a
+  running decode (overwritten, truncated and re-extended) raises `TierError`, never changes output.
 - `emulated:GBPS`: reads pass through a token bucket of GBPS gigabytes per second (an emulation,
   labelled as such, for reproducible experiments); the data itself stays in memory.
 
@@ -151,14 +153,28 @@ class DiskStorage(TierStorage):
 
     Each (slot, head) region starts on a 4096-byte boundary, so a direct read of it needs no
     realignment; reads land in a page-aligned bounce buffer and are copied into the fast buffers.
+
+    Integrity: each token's bytes, read as int16 words, have a weighted sum (`_token_sums`) kept in
+    memory for every token written and recomputed on every read. It is one matrix-vector product
+    over bytes the read already brought into the bounce buffer (no second pass over storage, no
+    per-token Python), held in 8 bytes per token and head against the token's `2 D` or `4 D`; file
+    identity or size checks would miss an overwrite in place, and mtimes tick too coarsely to tell a
+    foreign write from our own. The weights are drawn at random per file, so a change that keeps
+    every sum needs knowing them; any change of a single word always shows.
     """
 
     def __init__(self, path: Path, shape: tuple[int, int, int, int], dtype: torch.dtype) -> None:
         slots, heads, capacity, dim = shape
+        self.path = path
         self.dtype = dtype
         self.token_bytes = dim * torch.empty((), dtype=dtype).element_size()
         self.head_bytes = _round_up(capacity * self.token_bytes, _ALIGN)
         self.heads = heads
+        assert self.token_bytes % 2 == 0, "KV dtypes are 2 or 4 bytes wide"
+        # Products of an int16 word and a weight below 2**16 stay below 2**31, so float64 sums of up to
+        # 2**22 words per token are exact integers.
+        self._weights = torch.randint(1, 2**16, (self.token_bytes // 2,), dtype=torch.int64).to(torch.float64)
+        self._sums = torch.zeros((slots, 2, heads, capacity), dtype=torch.float64)
         total = slots * 2 * heads * self.head_bytes
         self._write_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
@@ -166,9 +182,10 @@ class DiskStorage(TierStorage):
         except OSError as error:
             os.close(self._write_fd)
             path.unlink(missing_ok=True)
+            free = shutil.disk_usage(path.parent).free
             raise TierError(
-                f"cannot reserve {total / 2**30:.2f} GiB for the disk tier in {path.parent} ({error.strerror}): "
-                "free space there or set KVLAB_TIER_DIR to a larger disk"
+                f"cannot reserve {_amount(total)} for one layer of the disk tier in {path.parent} ({error.strerror}; "
+                f"{_amount(free)} free there): free space there or set KVLAB_TIER_DIR to a larger disk"
             ) from None
         self.direct = True
         try:
@@ -184,14 +201,32 @@ class DiskStorage(TierStorage):
     def _offset(self, slot: int, part: int, head: int) -> int:
         return ((slot * 2 + part) * self.heads + head) * self.head_bytes
 
+    def _token_sums(self, raw: torch.Tensor, length: int) -> torch.Tensor:
+        """[length] checksums of `length` tokens' bytes `raw` (uint8, contiguous)."""
+        return raw.view(torch.int16).view(length, -1).to(torch.float64) @ self._weights
+
+    def _check(self, read: torch.Tensor, slot: int, part: int, head: int, length: int) -> None:
+        """TierError unless the `length` tokens just read are the bytes written there."""
+        differ = (self._token_sums(read, length) != self._sums[slot, part, head, :length]).nonzero()
+        if len(differ):
+            raise TierError(
+                f"the disk tier file {self.path} changed under the decode (the {('keys', 'values')[part]} of head "
+                f"{head}, slot {slot}, differ from what was written from token {int(differ[0])} on): something else "
+                "wrote to it; rerun, and keep the tier directory private to this process"
+            )
+
     def write(self, slot: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         for part, tensor in enumerate((keys, values)):
             data = tensor.to("cpu").contiguous()
+            length = data.shape[1]
             for head in range(self.heads):
-                raw = data[head].view(torch.uint8).numpy().tobytes()
+                raw_tensor = data[head].reshape(-1).view(torch.uint8)
+                raw = raw_tensor.numpy().tobytes()
                 offset = self._offset(slot, part, head) + start * self.token_bytes
                 if os.pwrite(self._write_fd, raw, offset) != len(raw):
                     raise TierError("short write to the disk tier: the disk is full or failing")
+                if length:
+                    self._sums[slot, part, head, start : start + length] = self._token_sums(raw_tensor, length)
 
     def load(self, slot: int, length: int, keys: torch.Tensor, values: torch.Tensor) -> int:
         size = length * self.token_bytes
@@ -206,8 +241,10 @@ class DiskStorage(TierStorage):
                     raise TierError(f"the disk tier file ends early ({got} of {size} bytes): it was truncated")
                 if not self.direct:
                     os.posix_fadvise(self._read_fd, offset, read_size, os.POSIX_FADV_DONTNEED)
-                raw = self._bounce_tensor[:size].view(self.dtype).view(length, -1)
-                target[head].copy_(raw)
+                read = self._bounce_tensor[:size]
+                if length:
+                    self._check(read, slot, part, head, length)
+                target[head].copy_(read.view(self.dtype).view(length, -1))
                 moved += size
         return moved
 
@@ -383,6 +420,14 @@ def _process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _amount(num_bytes: int) -> str:
+    """`num_bytes` in the largest binary unit that keeps it at least 1 (12.0 MiB, 3.50 GiB, 512 bytes)."""
+    for unit, power in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if num_bytes >= 1 << power:
+            return f"{num_bytes / (1 << power):.2f} {unit}"
+    return f"{num_bytes} bytes"
 
 
 def _round_up(value: int, multiple: int) -> int:

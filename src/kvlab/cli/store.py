@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from kvlab.cli.base import EXIT_OK, EXIT_RUNTIME_ERROR, Command, add_json_flag, add_subcommand, print_json
 from kvlab.errors import ConfigError
-from kvlab.store import KVStore, StoreUnavailableError, check_key, create_store
+from kvlab.store import KVStore, StoredValueError, StoreUnavailableError, check_key, create_store
 
 URL_HELP = ("store URL: memory://, file:///absolute/dir, redis://[:PASSWORD@]host:port/db[?timeout=SECONDS], "
             "rediss://...?ssl_ca_certs=PEM or redis+unix:///path/to/redis.sock (percent-encode @ : / # in "
@@ -44,7 +44,10 @@ class StoreCommand(Command):
         )
         verify.add_argument("url", help=URL_HELP)
         verify.add_argument("--prefix", default="", help="only keys that start with this")
-        verify.add_argument("--delete", action="store_true", help="remove the values that fail")
+        verify.add_argument("--delete", action="store_true", help="remove each value that fails, right after its check")
+        verify.add_argument("--max-value-bytes", type=int, default=None, metavar="N",
+                            help="values larger than this fail unread (default: the most two frames within the "
+                                 "1 GiB decode limit can take, about 2.1 GB)")
         add_json_flag(verify)
         clear = add_subcommand(verbs, "clear", "remove every key (or every key under --prefix)")
         clear.add_argument("url", help=URL_HELP)
@@ -65,19 +68,31 @@ class StoreCommand(Command):
 
 
 def _sizes(store: KVStore, prefix: str) -> list[dict[str, Any]]:
-    rows = [{"key": key, "bytes": store.nbytes(key)} for key in store.keys(prefix)]
-    # A key removed by another client between listing and sizing is no longer in the store.
-    return [row for row in rows if row["bytes"] is not None]
+    """Each key's size; a key that holds no value (a Redis hash, ...) gets `bytes` None and a `problem`."""
+    rows: list[dict[str, Any]] = []
+    for key in store.keys(prefix):
+        try:
+            size = store.nbytes(key)
+        except StoredValueError as error:
+            rows.append({"key": key, "bytes": None, "problem": str(error)})
+            continue
+        # A key removed by another client between listing and sizing is no longer in the store.
+        if size is not None:
+            rows.append({"key": key, "bytes": size})
+    return rows
 
 
 def _ls(store: KVStore, args: argparse.Namespace) -> int:
     rows = _sizes(store, args.prefix)
-    total = sum(row["bytes"] for row in rows)
+    total = sum(row["bytes"] or 0 for row in rows)
     if args.json:
         print_json({"url": store.url, "prefix": args.prefix, "keys": rows, "num_keys": len(rows), "total_bytes": total})
         return EXIT_OK
     for row in rows:
-        print(f"{row['bytes']:>12}  {row['key']}")
+        if row["bytes"] is None:
+            print(f"{'?':>12}  {row['key']}  ({row['problem']})")
+        else:
+            print(f"{row['bytes']:>12}  {row['key']}")
     print(f"{len(rows)} keys, {total} bytes")
     return EXIT_OK
 
@@ -128,7 +143,7 @@ def _rm(store: KVStore, args: argparse.Namespace) -> int:
 
 def _stats(store: KVStore, args: argparse.Namespace) -> int:
     rows = _sizes(store, "")
-    stats = {"url": store.url, "num_keys": len(rows), "total_bytes": sum(row["bytes"] for row in rows)}
+    stats = {"url": store.url, "num_keys": len(rows), "total_bytes": sum(row["bytes"] or 0 for row in rows)}
     if args.json:
         print_json(stats)
         return EXIT_OK
@@ -138,17 +153,16 @@ def _stats(store: KVStore, args: argparse.Namespace) -> int:
 
 def _verify(store: KVStore, args: argparse.Namespace) -> int:
     from kvlab.store import ChunkSealer
-    from kvlab.store.verify import verify_store
+    from kvlab.store.verify import MAX_VALUE_BYTES, verify_store
 
+    if args.max_value_bytes is not None and args.max_value_bytes < 0:
+        raise ConfigError(f"--max-value-bytes must be at least 0, got {args.max_value_bytes}")
     keys = store.keys(args.prefix)
-    failed = []
+    bound = MAX_VALUE_BYTES if args.max_value_bytes is None else args.max_value_bytes
     with tqdm(total=len(keys), desc="verify", unit="value", disable=args.json or not sys.stderr.isatty()) as bar:
-        checks = list(verify_store(store, ChunkSealer.from_environment(), args.prefix, lambda _: bar.update()))
-    for check in checks:
-        if not check.ok:
-            failed.append(check)
-            if args.delete:
-                store.delete(check.key)
+        checks = list(verify_store(store, ChunkSealer.from_environment(), args.prefix, lambda _: bar.update(),
+                                   delete=args.delete, max_bytes=bound))
+    failed = [check for check in checks if not check.ok]
     if args.json:
         print_json({
             "url": store.url,

@@ -2,7 +2,15 @@
 
 from kvlab.store import file, memory, redis, redis_cluster
 from kvlab.store.auth import ChunkAuthError, ChunkSealer, load_secret
-from kvlab.store.base import KVStore, StoreUnavailableError, check_key, create_store, redact_url, stores
+from kvlab.store.base import (
+    KVStore,
+    StoredValueError,
+    StoreUnavailableError,
+    check_key,
+    create_store,
+    redact_url,
+    stores,
+)
 from kvlab.store.keys import chunk_keys, fingerprint
 from kvlab.store.prefix import PrefixCache, PrefixConfig, PrefixSource
 from kvlab.store.verify import ValueCheck, check_value, verify_store
@@ -15,6 +23,7 @@ __all__ = [
     "PrefixConfig",
     "PrefixSource",
     "StoreUnavailableError",
+    "StoredValueError",
     "ValueCheck",
     "check_key",
     "check_value",

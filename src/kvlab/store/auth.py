@@ -41,7 +41,8 @@ def load_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
     """The store secret from `KVLAB_STORE_SECRET` or `KVLAB_STORE_SECRET_FILE`, or None when neither is set.
 
     Raises:
-        ConfigError: Both are set, the file cannot be read, or the secret is shorter than 16 bytes.
+        ConfigError: Both are set, the file cannot be read, or the secret is shorter than 16 bytes. A
+            file other users may read (mode wider than 0600) is used, with a warning.
     """
     environ = os.environ if environ is None else environ
     text, path = environ.get(SECRET_ENV), environ.get(SECRET_FILE_ENV)
@@ -50,9 +51,13 @@ def load_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
     if path:
         try:
             secret = Path(path).read_bytes().rstrip(b"\r\n")
+            mode = Path(path).stat().st_mode & 0o777
         except OSError as error:
             raise ConfigError(f"cannot read the store secret file {path} ({SECRET_FILE_ENV}): "
                               f"{error.strerror or error}") from None
+        if mode & 0o077:
+            logger.warning("the store secret file %s (%s) has mode %o: other users may read it and forge chunks; "
+                           "`chmod 600 %s`", path, SECRET_FILE_ENV, mode, path)
     elif text:
         secret = text.encode("utf-8")
     else:
@@ -81,6 +86,11 @@ class ChunkSealer:
     @property
     def authenticated(self) -> bool:
         return self._secret is not None
+
+    @property
+    def overhead(self) -> int:
+        """Bytes `seal` adds to a chunk (the magic and the tag, or 0 without a secret)."""
+        return len(MAGIC) + TAG_BYTES if self._secret is not None else 0
 
     def seal(self, key: str, data: bytes) -> bytes:
         """The value to store under `key` for the chunk bytes `data`."""

@@ -23,6 +23,12 @@ class StoreUnavailableError(KvlabError):
     """The store cannot be reached or read (server down, timeout, disk error); the message says what to do."""
 
 
+class StoredValueError(KvlabError):
+    """One key holds something the store refuses to read as a value: larger than the caller's bound, a
+    Redis key of another type, a hard-linked file. A fault of that key, not of the store: the reader
+    recomputes the chunk and a writer's `put` replaces what is there."""
+
+
 class KVStore(abc.ABC):
     """A key-value store of byte strings. Batch methods default to loops; backends may do better.
 
@@ -52,31 +58,44 @@ class KVStore(abc.ABC):
     def put(self, key: str, data: bytes) -> None: ...
 
     @abc.abstractmethod
-    def get(self, key: str) -> bytes | None:
-        """The bytes stored under `key`, or None when there are none."""
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        """The bytes stored under `key`, or None when there are none.
+
+        Args:
+            max_bytes: Refuse a larger value before reading it (None: no bound). Every backend learns
+                the size first (`fstat`, `STRLEN`) and never holds more than `max_bytes + 1` bytes.
+
+        Raises:
+            StoredValueError: The value is larger than `max_bytes`, or is not a value this store wrote.
+        """
 
     @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Remove `key` (no error when absent)."""
 
     def contains(self, key: str) -> bool:
-        return self.get(key) is not None
+        """Whether `key` holds a value; never reads the value."""
+        return self.nbytes(key) is not None
 
     def put_many(self, items: dict[str, bytes]) -> None:
         for key, data in items.items():
             self.put(key, data)
 
-    def get_many(self, keys: list[str]) -> list[bytes | None]:
-        return [self.get(key) for key in keys]
+    def get_many(self, keys: list[str], max_bytes: int | None = None) -> list[bytes | None]:
+        """`get` of each key (a key over `max_bytes` raises for the whole batch)."""
+        return [self.get(key, max_bytes) for key in keys]
 
     @abc.abstractmethod
     def keys(self, prefix: str = "") -> list[str]:
         """The stored keys that start with `prefix`, sorted."""
 
+    @abc.abstractmethod
     def nbytes(self, key: str) -> int | None:
-        """Size in bytes of the value under `key`, or None when there is none."""
-        data = self.get(key)
-        return None if data is None else len(data)
+        """Size in bytes of the value under `key`, or None when there is none; never reads the value.
+
+        Raises:
+            StoredValueError: The key holds something that is not a value (e.g. a Redis hash).
+        """
 
     def close(self) -> None:
         """Release connections or handles (no-op by default)."""
@@ -99,6 +118,15 @@ def check_prefix(prefix: str) -> str:
     if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
         raise ConfigError(f"invalid key prefix {prefix!r}: use up to 200 of A-Z a-z 0-9 _ - .")
     return prefix
+
+
+def check_size(key: str, nbytes: int, max_bytes: int | None, where: str) -> None:
+    """StoredValueError when the `nbytes` stored under `key` exceed `max_bytes` (shared by every backend)."""
+    if max_bytes is not None and nbytes > max_bytes:
+        raise StoredValueError(
+            f"{where}: the value under {key!r} has {nbytes} bytes, more than the {max_bytes} a value read here "
+            "may have; not reading it (a writer replaces it; `kvlab store verify --delete URL` removes such values)"
+        )
 
 
 def check_bytes(data: bytes) -> bytes:
@@ -127,11 +155,28 @@ def redact_url(url: str) -> str:
 
     Everything between `//` and the last `@` is credentials, even when a password holds unescaped
     `@ : / # ?` that a URL parser would split elsewhere; the user name stays when a password follows it.
+    Query values are masked too (`?password=...` is a credential), except the options kvlab knows to
+    be harmless (`SHOWN_OPTIONS`); a fragment is masked whole.
     """
     scheme, separator, rest = url.partition("://")
-    if not separator or "@" not in rest or rest.startswith("/"):
+    if not separator:
         return url
-    userinfo, _, host_and_path = rest.rpartition("@")
-    user, colon, _ = userinfo.partition(":")
-    shown = f"{user}:***" if colon and user and not {"/", "?", "#"} & set(user) else "***"
-    return f"{scheme}://{shown}@{host_and_path}"
+    if "@" in rest and not rest.startswith("/"):
+        userinfo, _, rest = rest.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        shown = f"{user}:***" if colon and user and not {"/", "?", "#"} & set(user) else "***"
+        rest = f"{shown}@{rest}"
+    rest, hash_mark, _ = rest.partition("#")
+    location, question, query = rest.partition("?")
+    if question:
+        location += "?" + "&".join(_redact_option(option) for option in query.split("&"))
+    return f"{scheme}://{location}" + ("#***" if hash_mark else "")
+
+
+# URL options whose values are never secret (timeouts, database numbers, paths of certificate files).
+SHOWN_OPTIONS = frozenset({"timeout", "db", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile"})
+
+
+def _redact_option(option: str) -> str:
+    name, equals, _ = option.partition("=")
+    return option if not equals or name in SHOWN_OPTIONS else f"{name}=***"

@@ -3,8 +3,10 @@
 One thread transfers chunk i+1 while worker threads decode the chunks before it, and the caller
 restores them in order. Before every chunk the rest is re-planned (`kvlab.store.planner`) from the
 running measurements, so a link that slows down shifts the remaining chunks to smaller resolutions
-or to recomputation. Each chunk is checked before it is restored: its tag (`kvlab.store.auth`), its
-frames against the reader's `ChunkGeometry` (before any allocation), and its values for NaN and Inf.
+or to recomputation. Each chunk is checked before it is restored: its size before it is read (no
+larger than a chunk of the reader's geometry can encode to, `max_value_bytes`), its tag
+(`kvlab.store.auth`), its frames against the reader's `ChunkGeometry` (before any allocation), and
+its values for NaN and Inf.
 Any exception on the way, from the store, a codec, a check or an allocation, ends the fetch at that
 chunk and is returned as a `Fault`; worker exceptions reach the caller's thread through futures.
 """
@@ -24,7 +26,14 @@ from kvlab.store.auth import ChunkSealer
 from kvlab.store.base import KVStore
 from kvlab.store.fetched import FetchedPrefix
 from kvlab.store.planner import RECOMPUTE, ResolutionCost, plan_chunks
-from kvlab.store.resolution import RESOLUTIONS, ChunkGeometry, TokenRestore, decode_chunk, decode_chunk_by_token
+from kvlab.store.resolution import (
+    RESOLUTIONS,
+    ChunkGeometry,
+    TokenRestore,
+    decode_chunk,
+    decode_chunk_by_token,
+    max_chunk_bytes,
+)
 from kvlab.timing import Stopwatch
 
 if TYPE_CHECKING:
@@ -91,6 +100,10 @@ class PrefixFetcher:
         self.geometry = geometry
         self.raw_bytes_per_token = raw_bytes_per_token
 
+    def max_value_bytes(self, name: str) -> int:
+        """Largest stored value a chunk of this reader's geometry at resolution `name` can be, sealed."""
+        return max_chunk_bytes(RESOLUTIONS[name], self.geometry) + self.sealer.overhead
+
     def plan(self, available: list[list[str]], allow_recompute: bool) -> list[str]:
         """Resolutions for the chunks whose stored resolutions `available` lists, from the current estimates."""
         # raw_bytes_per_token counts fp32 bytes: 4 per KV value.
@@ -147,12 +160,12 @@ class PrefixFetcher:
                     names[index] = name
                     key = keys[name][index]
                     clock = Stopwatch()
-                    data = store.get(key)
+                    data = store.get(key, self.max_value_bytes(name))
                     seconds = clock.elapsed()
                     self.estimates.observe_transfer(len(data or b""), seconds)
                     decoding = None if data is None else decoders.submit(self.decode, name, key, data)
                     arrivals.put((index, name, decoding, len(data or b""), seconds))
-            except BaseException as error:  # noqa: BLE001 - handed to the restoring side
+            except BaseException as error:
                 arrivals.put(error)
             finally:
                 arrivals.put(None)
@@ -192,7 +205,7 @@ class PrefixFetcher:
                 return _fault(KeyError(f"chunk {index} ({name}) vanished from the store"), index, key)
             try:
                 keys_tensor, values_tensor, decode_s, token_restore = decoding.result()
-            except Exception as error:  # noqa: BLE001 - any fault while decoding: recompute from here
+            except Exception as error:
                 return Fault(error, index, key)
             stats.decode_s += decode_s
             if token_restore is not None:

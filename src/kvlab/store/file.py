@@ -5,6 +5,11 @@ at a time against an open directory descriptor with `O_NOFOLLOW`: a bucket or ke
 symlink (even between a check and a write) makes the operation fail instead of reaching outside the
 root. Values are written to a temporary file that is renamed into place, so a reader never sees half
 a value; temporary files a killed writer left behind are removed once they are a minute old.
+
+A value's size is read with `fstat` before any byte of it, so a bounded read (`get(key, max_bytes)`)
+refuses a huge (even sparse) file without reading it, and `contains`/`nbytes` never read values. A
+value with more than one hard link is refused: the store never makes one, and a link planted by
+another user would let them change the bytes later without replacing the file.
 """
 
 from __future__ import annotations
@@ -20,7 +25,17 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from kvlab.errors import ConfigError
-from kvlab.store.base import KVStore, StoreUnavailableError, check_bytes, check_key, check_prefix, is_key, stores
+from kvlab.store.base import (
+    KVStore,
+    StoredValueError,
+    StoreUnavailableError,
+    check_bytes,
+    check_key,
+    check_prefix,
+    check_size,
+    is_key,
+    stores,
+)
 
 TEMP_PREFIX = ".put-"
 # A write takes well under a second; a temporary file a minute old belongs to a writer that died.
@@ -36,8 +51,9 @@ class FileStore(KVStore):
 
     A key is stored as `root/<first two characters>/<key>`. I/O failures other than a missing key
     (permissions, full disk, a vanished mount, a link where a bucket or value should be) raise
-    StoreUnavailableError. Values are created readable by their owner only: stored KV reveals the
-    prompts it came from.
+    StoreUnavailableError; a value that is too large or hard-linked raises StoredValueError. The root
+    directory (when the store creates it), buckets and values are created for their owner only:
+    stored KV reveals the prompts it came from.
     """
 
     def __init__(self, root: Path, create: bool = True) -> None:
@@ -46,7 +62,8 @@ class FileStore(KVStore):
         if not create and not self.root.is_dir():
             raise ConfigError(f"no store at {self.url}: the directory does not exist (check the path)")
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            # mkdir's mode is masked by the umask, never widened by it: 0700 even under umask 000.
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as error:
             raise ConfigError(f"cannot create store directory {self.root}: {error.strerror}") from None
         self._swept: dict[str, float] = {}
@@ -79,12 +96,16 @@ class FileStore(KVStore):
         except OSError as error:
             raise self._unavailable("write", key, error) from error
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         check_key(key)
         try:
-            with self._bucket(key[:2]) as bucket, self._value(bucket, key) as handle, \
-                    os.fdopen(os.dup(handle), "rb") as file:
-                return file.read()
+            with self._bucket(key[:2]) as bucket, self._value(bucket, key, for_reading=True) as handle:
+                check_size(key, os.fstat(handle).st_size, max_bytes, self.url)
+                with os.fdopen(os.dup(handle), "rb") as file:
+                    # A file growing after the fstat is still read no further than the bound.
+                    data = file.read() if max_bytes is None else file.read(max_bytes + 1)
+                check_size(key, len(data), max_bytes, self.url)
+                return data
         except FileNotFoundError:
             return None
         except OSError as error:
@@ -115,6 +136,9 @@ class FileStore(KVStore):
         except OSError as error:
             raise self._unavailable("list", prefix + "*", error) from error
         return sorted(found)
+
+    def contains(self, key: str) -> bool:
+        return self.nbytes(key) is not None
 
     def nbytes(self, key: str) -> int | None:
         check_key(key)
@@ -160,15 +184,22 @@ class FileStore(KVStore):
             os.close(bucket)
 
     @contextlib.contextmanager
-    def _value(self, bucket: int, key: str) -> Iterator[int]:
-        """A descriptor of the regular file holding `key`'s value, opened without following links."""
+    def _value(self, bucket: int, key: str, for_reading: bool = False) -> Iterator[int]:
+        """A descriptor of the regular file holding `key`'s value, opened without following links; one
+        `for_reading` its bytes must have no other hard link."""
         try:
             handle = os.open(key, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=bucket)
         except OSError as error:
             raise _link_error(error, key) from None
         try:
-            if not stat.S_ISREG(os.fstat(handle).st_mode):
+            status = os.fstat(handle)
+            if not stat.S_ISREG(status.st_mode):
                 raise OSError(errno.EINVAL, f"{key} is not a regular file")
+            if for_reading and status.st_nlink > 1:
+                raise StoredValueError(
+                    f"{self.url}: the value under {key!r} has {status.st_nlink} hard links (the store makes none; "
+                    "someone linked it, and could change it through the other name); not reading it"
+                )
             yield handle
         finally:
             os.close(handle)

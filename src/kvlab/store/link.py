@@ -40,8 +40,8 @@ class ThrottledStore(KVStore):
         self.bytes_written += len(data)
         self.inner.put(key, data)
 
-    def get(self, key: str) -> bytes | None:
-        data = self.inner.get(key)
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        data = self.inner.get(key, max_bytes)
         self._transfer(len(data) if data is not None else 0)
         self.bytes_read += len(data) if data is not None else 0
         return data
@@ -53,6 +53,10 @@ class ThrottledStore(KVStore):
     def delete(self, key: str) -> None:
         self._transfer(0)
         self.inner.delete(key)
+
+    def nbytes(self, key: str) -> int | None:
+        self._transfer(0)
+        return self.inner.nbytes(key)
 
     def keys(self, prefix: str = "") -> list[str]:
         return self.inner.keys(prefix)

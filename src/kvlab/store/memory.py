@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from kvlab.store.base import KVStore, check_bytes, check_key, check_prefix, stores
+from kvlab.store.base import KVStore, check_bytes, check_key, check_prefix, check_size, stores
 
 
 @stores.register("memory")
@@ -27,9 +27,12 @@ class MemoryStore(KVStore):
         with self._lock:
             self._data[check_key(key)] = payload
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         with self._lock:
-            return self._data.get(check_key(key))
+            data = self._data.get(check_key(key))
+        if data is not None:
+            check_size(key, len(data), max_bytes, self.url)
+        return data
 
     def delete(self, key: str) -> None:
         with self._lock:

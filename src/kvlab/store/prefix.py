@@ -3,7 +3,8 @@
 `PrefixCache.fetch(tokens)` looks up which leading chunks of a prompt are stored, plans a resolution
 per chunk (`kvlab.store.planner`) from what it has measured so far (link throughput, decode speed,
 chunk sizes, prefill speed), and runs the pipeline of `kvlab.store.fetcher`. Any fault (store down,
-chunk missing, authentication, checksum, geometry or dtype mismatch, NaN, an allocation that fails)
+chunk missing, a value larger than a chunk can be, a Redis key of another type, a hard-linked file,
+authentication, checksum, geometry or dtype mismatch, NaN, an allocation that fails)
 ends the fetch at that chunk: the caller recomputes from there, so output stays identical; the fault
 is logged once per fetch, naming the chunk's key, and counted in `fault_counts`.
 
@@ -25,7 +26,7 @@ import torch
 from kvlab.errors import ConfigError
 from kvlab.models import LoadedModel, model_identity
 from kvlab.store.auth import ChunkAuthError, ChunkSealer, warn_if_unauthenticated
-from kvlab.store.base import KVStore, StoreUnavailableError, create_store
+from kvlab.store.base import KVStore, StoredValueError, StoreUnavailableError, create_store
 from kvlab.store.fetched import FetchedPrefix, FetchStats, LayerKV
 from kvlab.store.fetcher import Estimates, Fault, PrefixFetcher
 from kvlab.store.keys import chunk_keys, fingerprint
@@ -221,11 +222,19 @@ class PrefixCache:
         keys = {name: self.keys(tokens, name)[:limit] for name in resolutions}
         available: list[list[str]] = []
         for index in range(limit):
-            here = [name for name in resolutions if self.store.contains(keys[name][index])]
+            here = [name for name in resolutions if self._present(keys[name][index])]
             if not here:
                 break
             available.append(here)
         return available
+
+    def _present(self, key: str) -> bool:
+        """Whether `key` holds something; a key the store refuses to size (a Redis hash, ...) counts, so
+        the fetch meets it at its own chunk, reuses the chunks before it and has it rewritten."""
+        try:
+            return self.store.contains(key)
+        except StoredValueError:
+            return True
 
     # ----- fetch
 
@@ -261,7 +270,7 @@ class PrefixCache:
             if indices:
                 keys = {name: self.keys(tokens, name) for name in {name for here in available for name in here}}
                 fault = self._fetcher.run(self.store, keys, available, indices, chunks is None, fetched)
-        except Exception as error:  # noqa: BLE001 - any fault outside the pipeline: recompute everything
+        except Exception as error:
             fault, fetched = Fault(error, -1, None), FetchedPrefix([], stats)
         if fault is not None:
             self._fail(stats, fault, len(available))
@@ -328,20 +337,23 @@ class PrefixCache:
 
     def _write_chunk(self, keys_by_resolution: dict[str, str], keys: torch.Tensor, values: torch.Tensor) -> None:
         for name, key in keys_by_resolution.items():
-            if self._stored_intact(key):
+            if self._stored_intact(name, key):
                 continue
             self.store.put(key, self.sealer.seal(key, encode_chunk(RESOLUTIONS[name], keys, values)))
 
-    def _stored_intact(self, key: str) -> bool:
+    def _stored_intact(self, name: str, key: str) -> bool:
         """Whether `key` holds a value worth keeping: not one a fetch found broken; any other value
         without a secret (values are write-once); with one, only a value whose tag verifies (so a
         planted value is replaced, not kept forever)."""
         if key in self._rewrite:
             self._rewrite.discard(key)
             return False
-        if not self.sealer.authenticated:
-            return self.store.contains(key)
-        stored = self.store.get(key)
+        try:
+            if not self.sealer.authenticated:
+                return self.store.contains(key)
+            stored = self.store.get(key, self._fetcher.max_value_bytes(name))
+        except StoredValueError:
+            return False
         if stored is None:
             return False
         try:

@@ -9,12 +9,18 @@ URLs::
 Credentials are percent-decoded (write `@ : / # ?` in a password as `%40 %3A %2F %23 %3F`); a URL
 without a password takes it from `KVLAB_REDIS_PASSWORD`, which, unlike a command line, other users
 cannot read in `ps`. Every message shows the URL through `redact_url`.
+
+A bounded read (`get(key, max_bytes)`) asks for the key's type and `STRLEN` first and then reads with
+`GETRANGE 0 max_bytes`, so a huge value is refused unread and one replaced in between still cannot
+deliver more than the bound. A key of another type (a hash, a list) is a fault of that key
+(`StoredValueError`), never an outage of the store: `put` overwrites it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -27,10 +33,12 @@ from redis.retry import Retry
 from kvlab.errors import ConfigError
 from kvlab.store.base import (
     KVStore,
+    StoredValueError,
     StoreUnavailableError,
     check_bytes,
     check_key,
     check_prefix,
+    check_size,
     is_key,
     redact_url,
     stores,
@@ -117,10 +125,10 @@ class RedisStore(KVStore):
         with self._errors():
             self._client.set(name, payload)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         name = _name(key)
-        with self._errors():
-            return cast("bytes | None", self._client.get(name))
+        with self._errors(key):
+            return bounded_get(self._client, name, key, max_bytes, self.url)
 
     def delete(self, key: str) -> None:
         name = _name(key)
@@ -142,8 +150,10 @@ class RedisStore(KVStore):
                 pipeline.set(name, payload)
             pipeline.execute()
 
-    def get_many(self, keys: list[str]) -> list[bytes | None]:
+    def get_many(self, keys: list[str], max_bytes: int | None = None) -> list[bytes | None]:
         names = [_name(key) for key in keys]
+        if max_bytes is not None:
+            return [self.get(key, max_bytes) for key in keys]
         if not names:
             return []
         with self._errors():
@@ -159,28 +169,30 @@ class RedisStore(KVStore):
 
     def nbytes(self, key: str) -> int | None:
         name = _name(key)
-        with self._errors():
-            pipeline = self._client.pipeline(transaction=False)
-            pipeline.exists(name)
-            pipeline.strlen(name)
-            exists, length = pipeline.execute()
-        return int(length) if exists else None
+        with self._errors(key):
+            return value_size(self._client, name, key, self.url)
 
     def close(self) -> None:
         self._pool.disconnect()
 
     @contextlib.contextmanager
-    def _errors(self) -> Iterator[None]:
-        """Turn server and connection failures into StoreUnavailableError that names the URL and the fix."""
+    def _errors(self, key: str | None = None) -> Iterator[None]:
+        """Turn server and connection failures into StoreUnavailableError that names the URL and the fix;
+        a wrong-type `key` into StoredValueError."""
         try:
             yield
+        except redis.exceptions.ResponseError as error:
+            raise wrong_type(error, key, self.url) or StoreUnavailableError(
+                f"redis store {self.url} refused the request ({error})") from error
         except redis.exceptions.AuthenticationError as error:
             raise StoreUnavailableError(
                 f"redis store {self.url}: authentication failed ({error}); check the password in the URL "
                 f"or {PASSWORD_ENV}"
             ) from error
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as error:
-            if isinstance(self._pool.connection_kwargs.get("path"), str):
+            if is_tls_failure(error):
+                hint = TLS_HINT
+            elif isinstance(self._pool.connection_kwargs.get("path"), str):
                 hint = f"is redis-server listening on the socket {self.address}? (redis-server --unixsocket PATH)"
             else:
                 port = self.port
@@ -194,6 +206,65 @@ class RedisStore(KVStore):
 
 def _name(key: str) -> str:
     return NAMESPACE + check_key(key)
+
+
+TLS_HINT = ("the TLS handshake failed: check that ssl_ca_certs is the CA that signed the server's certificate, "
+            "that the certificate names the host in the URL, and give ssl_certfile and ssl_keyfile when the server "
+            "asks for a client certificate")
+
+
+def is_tls_failure(error: BaseException) -> bool:
+    """Whether a connection failed in the TLS handshake (redis-py keeps only the SSL error's text)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError) or "SSL" in str(seen) or "certificate" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def value_size(client: Any, name: str, key: str, where: str) -> int | None:
+    """Bytes of the string under Redis key `name` (None: no such key); StoredValueError for another type
+    (shared by the redis URL schemes)."""
+    pipeline = client.pipeline(transaction=False)
+    pipeline.type(name)
+    pipeline.strlen(name)
+    kind, size = pipeline.execute(raise_on_error=False)
+    kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+    if kind == "none":
+        return None
+    if kind != "string":
+        raise _wrong_type_error(key, kind, where)
+    if isinstance(size, Exception):
+        raise size
+    return int(size)
+
+
+def bounded_get(client: Any, name: str, key: str, max_bytes: int | None, where: str) -> bytes | None:
+    """The value under Redis key `name`, refused unread when its `STRLEN` exceeds `max_bytes`."""
+    if max_bytes is None:
+        return cast("bytes | None", client.get(name))
+    size = value_size(client, name, key, where)
+    if size is None:
+        return None
+    check_size(key, size, max_bytes, where)
+    data = cast(bytes, client.getrange(name, 0, max_bytes))
+    if not data and size:
+        return None  # removed between the two requests
+    check_size(key, len(data), max_bytes, where)  # replaced by a larger value in between
+    return data
+
+
+def wrong_type(error: BaseException, key: str | None, where: str) -> StoredValueError | None:
+    """StoredValueError when `error` is Redis's WRONGTYPE for `key`, else None."""
+    if key is None or not str(error).startswith("WRONGTYPE"):
+        return None
+    return _wrong_type_error(key, "non-string", where)
+
+
+def _wrong_type_error(key: str, kind: str, where: str) -> StoredValueError:
+    return StoredValueError(f"{where}: the Redis key {NAMESPACE}{key} holds a {kind}, not a value kvlab wrote; "
+                            "not reading it (a writer's put replaces it; `kvlab store verify --delete URL` removes it)")
 
 
 def query_option(query: dict[str, list[str]], name: str) -> str | None:

@@ -6,7 +6,8 @@ URL::
 
 The listed nodes are only where the client starts: it learns the whole cluster (and later moves of
 slots) from them, so one reachable node is enough. Credentials follow `redis://` (percent-encoded, or
-`KVLAB_REDIS_PASSWORD`); every message shows the URL through `redact_url`.
+`KVLAB_REDIS_PASSWORD`); every message shows the URL through `redact_url`. Bounded reads and keys of
+another type behave as in `redis://` (`kvlab.store.redis.bounded_get`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,17 @@ from kvlab.store.base import (
     redact_url,
     stores,
 )
-from kvlab.store.redis import DEFAULT_TIMEOUT_S, NAMESPACE, PASSWORD_ENV, parse_timeout, query_option, url_credentials
+from kvlab.store.redis import (
+    DEFAULT_TIMEOUT_S,
+    NAMESPACE,
+    PASSWORD_ENV,
+    bounded_get,
+    parse_timeout,
+    query_option,
+    url_credentials,
+    value_size,
+    wrong_type,
+)
 
 _SCAN_BATCH = 1000
 
@@ -82,10 +93,10 @@ class RedisClusterStore(KVStore):
         with self._errors() as client:
             client.set(name, payload)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         name = _name(key)
-        with self._errors() as client:
-            return cast("bytes | None", client.get(name))
+        with self._errors(key) as client:
+            return bounded_get(client, name, key, max_bytes, self.url)
 
     def delete(self, key: str) -> None:
         name = _name(key)
@@ -104,8 +115,10 @@ class RedisClusterStore(KVStore):
         with self._errors() as client:
             client.mset_nonatomic(named)
 
-    def get_many(self, keys: list[str]) -> list[bytes | None]:
+    def get_many(self, keys: list[str], max_bytes: int | None = None) -> list[bytes | None]:
         names = [_name(key) for key in keys]
+        if max_bytes is not None:
+            return [self.get(key, max_bytes) for key in keys]
         if not names:
             return []
         with self._errors() as client:
@@ -120,11 +133,9 @@ class RedisClusterStore(KVStore):
 
     def nbytes(self, key: str) -> int | None:
         name = _name(key)
-        with self._errors() as client:
-            # EXISTS then STRLEN: both go to the key's node, and an empty value still exists.
-            if not client.exists(name):
-                return None
-            return cast(int, client.strlen(name))
+        with self._errors(key) as client:
+            # TYPE then STRLEN: both go to the key's node, and an empty value still exists.
+            return value_size(client, name, key, self.url)
 
     def close(self) -> None:
         with self._lock:
@@ -146,11 +157,19 @@ class RedisClusterStore(KVStore):
             return self._client
 
     @contextlib.contextmanager
-    def _errors(self) -> Iterator[RedisCluster]:
-        """The cluster client; node and cluster failures become StoreUnavailableError naming the URL and the fix."""
+    def _errors(self, key: str | None = None) -> Iterator[RedisCluster]:
+        """The cluster client; node and cluster failures become StoreUnavailableError naming the URL and the
+        fix, a wrong-type `key` StoredValueError (the cluster is fine)."""
         addresses = ",".join(f"{host}:{port}" for host, port in self.nodes)
         try:
             yield self._connect()
+        except redis.exceptions.ResponseError as error:
+            fault = wrong_type(error, key, self.url)
+            if fault is not None:
+                raise fault from error
+            self._forget_topology()
+            raise StoreUnavailableError(f"redis cluster store {self.url} cannot serve ({error}); check "
+                                        f"`redis-cli -h HOST -p PORT cluster info` on {addresses}") from error
         except redis.exceptions.AuthenticationError as error:
             raise StoreUnavailableError(
                 f"redis cluster store {self.url}: authentication failed ({error}); check the password in the URL "

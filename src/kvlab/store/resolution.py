@@ -13,6 +13,7 @@ reader's model needs before anything is allocated (`kvlab.store.auth` adds authe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import struct
 from typing import Any
@@ -25,6 +26,7 @@ from kvlab.timing import Stopwatch
 
 _MAGIC = b"KVPC"
 _HEADER = struct.Struct("<4sQ")
+CHUNK_HEADER_BYTES = _HEADER.size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +155,46 @@ def decode_chunk(
     if keys.shape != values.shape:
         raise CodecError(f"stored chunk holds keys {tuple(keys.shape)} but values {tuple(values.shape)}")
     return keys, values
+
+
+# Above the measured worst case: zstd's own worst-case expansion of incompressible input is 1/256
+# plus a few bytes per 128 KiB block, so 1/64 plus 4 KiB leaves room to spare for any encoder run.
+_WORST_CASE_MARGIN = 64
+_WORST_CASE_SLACK_BYTES = 4096
+
+
+@functools.lru_cache(maxsize=64)
+def max_chunk_bytes(resolution: Resolution, geometry: ChunkGeometry) -> int:
+    """Largest `encode_chunk` output for a chunk of `geometry` at `resolution`, plus a small margin.
+
+    Measured once per (resolution, geometry) by encoding the worst case through the resolution's own
+    codecs: a chunk of the geometry's shape and dtype holding incompressible values (random bit
+    patterns for bit-exact codecs, uniform random values, whose codes are uniform, for quantizing
+    ones). Any chunk of that geometry encodes to at most this, so a larger stored value cannot be
+    one: readers refuse it before reading it (`KVStore.get(key, max_bytes)`).
+    """
+    generator = torch.Generator().manual_seed(0)
+    shape = _chunk_shape(geometry)
+    dtype = geometry.dtype or torch.float32
+    tensors = []
+    for _ in ("keys", "values"):
+        if resolution.exact:
+            width = torch.empty((), dtype=dtype).element_size() * 8
+            bits = torch.randint(-(2 ** (width - 1)), 2 ** (width - 1), shape, generator=generator,
+                                 dtype={16: torch.int16, 32: torch.int32}[width])
+            tensors.append(bits.view(dtype))
+        else:
+            tensors.append((torch.rand(shape, generator=generator) * 2 - 1).to(dtype))
+    worst = len(encode_chunk(resolution, *tensors))
+    return worst + worst // _WORST_CASE_MARGIN + _WORST_CASE_SLACK_BYTES
+
+
+def _chunk_shape(geometry: ChunkGeometry) -> tuple[int, int, int, int]:
+    """[L, H_kv, t, D] of the geometry; one that names no model gets its whole size bound in one head."""
+    if geometry.num_layers is not None and geometry.num_kv_heads is not None and geometry.head_dim is not None:
+        return geometry.num_layers, geometry.num_kv_heads, geometry.num_tokens, geometry.head_dim
+    element = torch.empty((), dtype=geometry.dtype or torch.float32).element_size()
+    return 1, 1, geometry.num_tokens, max(1, geometry.max_bytes // (geometry.num_tokens * element))
 
 
 def split_chunk(data: bytes | memoryview) -> tuple[memoryview, memoryview]:

@@ -74,7 +74,7 @@ class ChunkWriter:
                 self.num_failed += 1
                 if self.num_failed == 1:
                     logger.warning("saving prefix chunks failed (%s); generation is unaffected", error)
-            except BaseException as error:  # noqa: BLE001 - carried to the caller's thread
+            except BaseException as error:
                 if self._error is None:
                     self._error = error
             finally:
