@@ -74,13 +74,18 @@ def main() -> None:
     prompts = [encode_sample(loaded, sample) for sample in task.load(loaded.tokenizer, args.samples).samples]
     config = GenerationConfig(max_new_tokens=args.new_tokens)
     rows = []
-    print(f"{args.model}, {args.task}, merge scale {args.merge_scale:g}, {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens")
+    print(
+        f"{args.model}, {args.task}, merge scale {args.merge_scale:g}, {len(prompts)} prompts of "
+        f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens"
+    )
     print("ratio | kept values changed by merging | relative L2 change of kept values | outputs equal to StreamingLLM")
     for ratio in args.ratios:
         cam = MeasuredCaM(compression_ratio=ratio, merge_scale=args.merge_scale)
         equal = 0
         for prompt in prompts:
-            streaming = generate(loaded, [prompt], config, compressor=create_compressor("streamingllm", compression_ratio=ratio))
+            streaming = generate(
+                loaded, [prompt], config, compressor=create_compressor("streamingllm", compression_ratio=ratio)
+            )
             merged = generate(loaded, [prompt], config, compressor=cam)
             equal += streaming.requests[0].token_ids == merged.requests[0].token_ids
         row = {
@@ -95,7 +100,12 @@ def main() -> None:
             f"{ratio:g} | {row['kept_values_changed']:.1%} | {row['relative_l2_change']:.2e} | {equal}/{len(prompts)}"
         )
     if args.json:
-        args.json.write_text(json.dumps({"model": args.model, "task": args.task, "merge_scale": args.merge_scale, "rows": rows}, indent=2) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {"model": args.model, "task": args.task, "merge_scale": args.merge_scale, "rows": rows}, indent=2
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -35,7 +35,9 @@ METHODS: list[tuple[str, str | None, dict[str, object]]] = [
 ]
 
 
-def measure(loaded: LoadedModel, prompt: list[int], compressor: Compressor | None, new_tokens: int) -> dict[str, object]:
+def measure(
+    loaded: LoadedModel, prompt: list[int], compressor: Compressor | None, new_tokens: int
+) -> dict[str, object]:
     output = generate(
         loaded, [prompt], GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True), compressor=compressor
     )

@@ -105,7 +105,10 @@ def main() -> None:
         return
     print(f"embedded SmolLM2-135M, fp32, {torch.get_num_threads()} threads, {args.new_tokens} new tokens, "
           f"median of {args.repeats}, load avg {os.getloadavg()[0]:.2f}")
-    print("| context | prefill tok/s kvlab | prefill tok/s HF | decode ms/tok kvlab | decode ms/tok HF | kvlab/HF decode | same tokens |")
+    print(
+        "| context | prefill tok/s kvlab | prefill tok/s HF | decode ms/tok kvlab | decode ms/tok HF "
+        "| kvlab/HF decode | same tokens |"
+    )
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         print(

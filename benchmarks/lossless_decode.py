@@ -100,7 +100,7 @@ def run_setting(
             create_compressor(name, **params), num_draft_tokens, MAX_NUM_DRAFT_TOKENS, draft_weights=draft_weights
         )
         run = LosslessRun(loaded, config, lossless, len(prompts))
-        for request, (prompt, (full, draft, logits)) in enumerate(zip(prompts, prefilled)):
+        for request, (prompt, (full, draft, logits)) in enumerate(zip(prompts, prefilled, strict=True)):
             admit_prefilled(run, request, prompt, (full.clone(), draft.clone(), logits))
         while run.sequences:
             run.step()
@@ -137,7 +137,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1, help="prompts decoded together (different offsets)")
     parser.add_argument("--settings", nargs="*", help="labels to run (plain full KV always runs)")
-    parser.add_argument("--full-kv-tier", nargs="+", default=["memory"], help="tiers: memory, host, disk, emulated:GBPS")
+    parser.add_argument(
+        "--full-kv-tier", nargs="+", default=["memory"], help="tiers: memory, host, disk, emulated:GBPS"
+    )
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file or model directory")
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
@@ -145,7 +147,9 @@ def main() -> None:
 
     loaded = load_model(args.model, device=args.device)
     warm = prefill_all(loaded, [document_token_ids(loaded.tokenizer, 128)], "snapkv", {"compression_ratio": 0.9})
-    run_setting(loaded, [document_token_ids(loaded.tokenizer, 128)], SETTINGS[3], warm, GenerationConfig(max_new_tokens=8))
+    run_setting(
+        loaded, [document_token_ids(loaded.tokenizer, 128)], SETTINGS[3], warm, GenerationConfig(max_new_tokens=8)
+    )
     selected = [s for s in SETTINGS if not args.settings or s[0] in args.settings or s[1] == "full"]
     rows = []
     for context in args.contexts:
@@ -155,7 +159,9 @@ def main() -> None:
         for setting in selected:
             key = json.dumps([setting[2] or "snapkv", setting[3] or {"compression_ratio": 0.9}], sort_keys=True)
             if key not in prefills:
-                prefills[key] = prefill_all(loaded, prompts, setting[2] or "snapkv", setting[3] or {"compression_ratio": 0.9})
+                prefills[key] = prefill_all(
+                    loaded, prompts, setting[2] or "snapkv", setting[3] or {"compression_ratio": 0.9}
+                )
         for tier in args.full_kv_tier:
             config = GenerationConfig(max_new_tokens=args.new_tokens, ignore_eos=True, full_kv_tier=tier)
             baseline = None
@@ -183,7 +189,9 @@ def main() -> None:
                         "mean_num_draft_tokens": lossless.mean_num_draft_tokens if lossless else None,
                         "bytes_per_token": cost,
                         "bytes_bound_speedup": (
-                            baseline[2] / cost if tier == "memory" else baseline[3] / max(output.stats.tier_bytes_read, 1)
+                            baseline[2] / cost
+                            if tier == "memory"
+                            else baseline[3] / max(output.stats.tier_bytes_read, 1)
                         ),
                         "tier_bytes_read": output.stats.tier_bytes_read,
                         "tier_wait_s": output.stats.tier_wait_s,
@@ -199,7 +207,10 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"header": header, "threads": torch.get_num_threads(), "rows": rows}, indent=2))
     print(header)
-    print("| context | tier | setting | decode tok/s | vs plain | acceptance length | mean draft length | bytes-bound ceiling | identical to plain |")
+    print(
+        "| context | tier | setting | decode tok/s | vs plain | acceptance length | mean draft length "
+        "| bytes-bound ceiling | identical to plain |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         acceptance = f"{row['acceptance_length']:.1f}" if row["acceptance_length"] else "-"

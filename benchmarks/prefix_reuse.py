@@ -88,7 +88,9 @@ def total_s(output: GenerationOutput) -> float:
 
 def matched_share(tokens: list[int], reference: list[int]) -> float:
     """Share of `reference` matched before the first differing token."""
-    matched = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+    matched = next(
+        (i for i, (a, b) in enumerate(zip(tokens, reference, strict=False)) if a != b), min(len(tokens), len(reference))
+    )
     return matched / max(len(reference), 1)
 
 
@@ -106,7 +108,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--modes", nargs="*", help="labels to run (default: all)")
-    parser.add_argument("--scheduler-link", type=float, default=0.1, help="Gbit/s of the scheduler experiment (0: skip)")
+    parser.add_argument(
+        "--scheduler-link", type=float, default=0.1, help="Gbit/s of the scheduler experiment (0: skip)"
+    )
     parser.add_argument("--short-requests", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -124,7 +128,9 @@ def main() -> None:
     prefill_speed = len(prompt_b) / recompute.stats.ttft_s
 
     memory = create_store("memory://")
-    writer = PrefixCache.for_model(loaded, memory, PrefixConfig(args.chunk_tokens, write=tuple(RESOLUTIONS), fetch=("exact",)))
+    writer = PrefixCache.for_model(
+        loaded, memory, PrefixConfig(args.chunk_tokens, write=tuple(RESOLUTIONS), fetch=("exact",))
+    )
     generate(loaded, [prompt_a], GenerationConfig(max_new_tokens=1), prefix=writer)
     writer.close()
     stored_bytes = {name: 0 for name in RESOLUTIONS}
@@ -132,9 +138,20 @@ def main() -> None:
         for key in writer.keys(prompt_a, name):
             stored_bytes[name] += memory.nbytes(key) or 0
 
-    rows: list[dict[str, Any]] = [{"link_gbit": None, "mode": "recompute", "ttft_s": recompute.stats.ttft_s, "total_s": total_s(recompute),
-             "identical": True, "fidelity": 1.0, "peak_decode_buffer_bytes": 0, "restore_overlap": None,
-             "fetched_bytes": 0, "resolutions": {}}]
+    rows: list[dict[str, Any]] = [
+        {
+            "link_gbit": None,
+            "mode": "recompute",
+            "ttft_s": recompute.stats.ttft_s,
+            "total_s": total_s(recompute),
+            "identical": True,
+            "fidelity": 1.0,
+            "peak_decode_buffer_bytes": 0,
+            "restore_overlap": None,
+            "fetched_bytes": 0,
+            "resolutions": {},
+        }
+    ]
     for gbit in args.links:
         link = ThrottledStore(memory, bits_per_s=gbit * 1e9)
         for label, fetch, allow_recompute, lossless_from in MODES:
@@ -176,7 +193,7 @@ def main() -> None:
                 "reuse_ttft_s": completions[0].ttft_s,
                 "identical": all(
                     c.output.requests[0].token_ids == generate(loaded, [r.prompt], config).requests[0].token_ids
-                    for c, r in zip(completions[1:], requests[1:])
+                    for c, r in zip(completions[1:], requests[1:], strict=True)
                 ) and completions[0].output.requests[0].token_ids == reference,
             })
 
@@ -193,8 +210,10 @@ def main() -> None:
     )
     sizes = ", ".join(f"{name} {size / 2**20:.0f} MiB" for name, size in stored_bytes.items())
     print(f"stored prefix: {sizes}")
-    print(f"| link | mode | TTFT s | vs recompute | vs raw fetch | time to {args.new_tokens} tokens s | fetched MiB | chunks "
-          "| identical | fidelity | buffer MiB | overlap |")
+    print(
+        f"| link | mode | TTFT s | vs recompute | vs raw fetch | time to {args.new_tokens} tokens s "
+        "| fetched MiB | chunks | identical | fidelity | buffer MiB | overlap |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     raw_ttft = {row["link_gbit"]: row["ttft_s"] for row in rows if row["mode"] == "raw fetch"}
     for row in rows:
@@ -210,7 +229,9 @@ def main() -> None:
             f"{'yes' if row['identical'] else 'NO'} | {row['fidelity']:.0%} | {buffer} | {overlap} |"
         )
     if scheduler_rows:
-        print(f"\nscheduler: 1 reuse request over {args.scheduler_link:g} Gbit/s + {args.short_requests} short requests")
+        print(
+            f"\nscheduler: 1 reuse request over {args.scheduler_link:g} Gbit/s + {args.short_requests} short requests"
+        )
         print("| scheduler | mean TTFT of short requests s | TTFT of the reuse request s | identical |")
         print("|---|---|---|---|")
         for row in scheduler_rows:

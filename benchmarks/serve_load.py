@@ -105,7 +105,14 @@ def one_request(client: openai.OpenAI, prompt: list[int], new_tokens: int, kvlab
         last, count = now, total
         text.append(chunk.choices[0].text)
     assert first is not None and last is not None, "no text came back"
-    return {"text": "".join(text), "ttft_s": first - sent, "gaps_s": gaps, "end_s": last, "tokens": count, "cached": cached}
+    return {
+        "text": "".join(text),
+        "ttft_s": first - sent,
+        "gaps_s": gaps,
+        "end_s": last,
+        "tokens": count,
+        "cached": cached,
+    }
 
 
 _MODELS: dict[int, str] = {}
@@ -117,7 +124,9 @@ def client_model(client: openai.OpenAI) -> str:
     return _MODELS[id(client)]
 
 
-def run_clients(client: openai.OpenAI, prompts: list[list[int]], new_tokens: int, kvlab: dict[str, Any]) -> dict[str, Any]:
+def run_clients(
+    client: openai.OpenAI, prompts: list[list[int]], new_tokens: int, kvlab: dict[str, Any]
+) -> dict[str, Any]:
     """All prompts at once, one client thread each; throughput over the wall time of the whole cell."""
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(prompts)) as pool:
@@ -188,40 +197,70 @@ def main() -> None:
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     longest = max(max(args.prompt_tokens), args.shared_prefix_tokens + 64)
     document = document_token_ids(loaded.tokenizer, longest)
-    common = ["--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(max(max(args.concurrency), args.shared_clients)),
-              "--max-tokens-limit", str(max(args.new_tokens, args.shared_new_tokens)), "--prefill-chunk-tokens",
-              str(args.chunk_tokens), "--drafter", args.drafter, *[f"--drafter-arg={a}" for a in args.drafter_arg]]
+    common = [
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--max-num-seqs",
+        str(max(max(args.concurrency), args.shared_clients)),
+        "--max-tokens-limit",
+        str(max(args.new_tokens, args.shared_new_tokens)),
+        "--prefill-chunk-tokens",
+        str(args.chunk_tokens),
+        "--drafter",
+        args.drafter,
+        *[f"--drafter-arg={a}" for a in args.drafter_arg],
+    ]
     if args.model:
         common += ["--model", args.model]
     workdir = Path(os.environ.get("TMPDIR", "/tmp"))
     tokenizer = loaded.tokenizer
     del loaded  # the servers load their own copy
 
-    results: dict[str, Any] = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "load": [], "shared_prefix": {}}
+    results: dict[str, Any] = {
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "load": [],
+        "shared_prefix": {},
+    }
     server = Server(common, workdir / "serve_load_plain.log")
     try:
         run_clients(server.client, prompts_for(tokenizer, 1, 64, document), 4, {"mode": "lossless"})  # warm-up
         for length in args.prompt_tokens:
             for concurrency in args.concurrency:
                 prompts = prompts_for(tokenizer, concurrency, length, document)
-                cell = {mode: run_clients(server.client, prompts, args.new_tokens, {"mode": mode}) for mode in ("plain", "lossless")}
+                cell = {
+                    mode: run_clients(server.client, prompts, args.new_tokens, {"mode": mode})
+                    for mode in ("plain", "lossless")
+                }
                 identical = cell["plain"].pop("texts") == cell["lossless"].pop("texts")
-                results["load"].append({"prompt_tokens": length, "concurrency": concurrency, "identical": identical, **cell})
+                results["load"].append(
+                    {"prompt_tokens": length, "concurrency": concurrency, "identical": identical, **cell}
+                )
                 report_cell(length, concurrency, cell, identical)
-        shared = [document[: args.shared_prefix_tokens] + list(tokenizer(f"\nQuestion {i}: what happens next?", add_special_tokens=False)["input_ids"])
-                  for i in range(args.shared_clients)]
-        results["shared_prefix"]["no_store"] = run_clients(server.client, shared, args.shared_new_tokens, {"mode": "plain"})
+        shared = [
+            document[: args.shared_prefix_tokens]
+            + list(tokenizer(f"\nQuestion {i}: what happens next?", add_special_tokens=False)["input_ids"])
+            for i in range(args.shared_clients)
+        ]
+        results["shared_prefix"]["no_store"] = run_clients(
+            server.client, shared, args.shared_new_tokens, {"mode": "plain"}
+        )
     finally:
         server.stop()
 
     stored = Server([*common, "--prefix-store", "memory://", "--prefix-chunk-tokens", str(args.chunk_tokens)],
                     workdir / "serve_load_store.log")
     try:
-        seed = document[: args.shared_prefix_tokens] + list(tokenizer("\nSeed question.", add_special_tokens=False)["input_ids"])
+        seed = document[: args.shared_prefix_tokens] + list(
+            tokenizer("\nSeed question.", add_special_tokens=False)["input_ids"]
+        )
         deadline = time.monotonic() + 120
         while not one_request(stored.client, seed, 1, {"mode": "plain"})["cached"] and time.monotonic() < deadline:
             time.sleep(0.5)  # the first request's chunks are written in the background
-        results["shared_prefix"]["store"] = run_clients(stored.client, shared, args.shared_new_tokens, {"mode": "plain"})
+        results["shared_prefix"]["store"] = run_clients(
+            stored.client, shared, args.shared_new_tokens, {"mode": "plain"}
+        )
     finally:
         stored.stop()
     report_shared(results["shared_prefix"], args)
@@ -231,7 +270,11 @@ def main() -> None:
     if reference:
         offline = offline_lossless(args, prompts_for(tokenizer, args.offline_batch, max(args.prompt_tokens), document))
         server_tps = reference[0]["lossless"]["tokens_per_s"]
-        results["offline_lossless"] = {"batch": args.offline_batch, "tokens_per_s": offline, "server_over_offline": server_tps / offline}
+        results["offline_lossless"] = {
+            "batch": args.offline_batch,
+            "tokens_per_s": offline,
+            "server_over_offline": server_tps / offline,
+        }
         print(f"\nlossless, {max(args.prompt_tokens)}-token prompts: server at concurrency {args.offline_batch} "
               f"{server_tps:.1f} tok/s, offline engine at batch {args.offline_batch} {offline:.1f} tok/s "
               f"(server / offline {server_tps / offline:.2f}x)")
@@ -244,7 +287,10 @@ def main() -> None:
 
 def report_cell(length: int, concurrency: int, cell: dict[str, dict[str, Any]], identical: bool) -> None:
     if length and concurrency == 1 and not getattr(report_cell, "header", False):
-        print(f"{'prompt':>7} {'conc':>4} {'mode':>8} {'tok/s':>7} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7}  identical")
+        print(
+            f"{'prompt':>7} {'conc':>4} {'mode':>8} {'tok/s':>7} {'TTFT p50':>9} {'p99':>7} "
+            f"{'ITL p50':>8} {'p99':>7}  identical"
+        )
         report_cell.header = True  # type: ignore[attr-defined]
     for mode, row in cell.items():
         print(f"{length:>7} {concurrency:>4} {mode:>8} {row['tokens_per_s']:>7.1f} {row['ttft_p50_s']:>8.2f}s "

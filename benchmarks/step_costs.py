@@ -106,21 +106,42 @@ def main() -> None:
     rows = [
         ("plain decode step (full cache)", plain, weights + full_kv),
         ("draft step, SnapKV-10% cache, fp32 weights", drafts["same"], weights + draft_kv),
-        ("draft step, SnapKV-10% cache, bf16 weights", drafts["bf16"], linear_weight_bytes(draft_model(model, "bf16")) + draft_kv),
-        ("draft step, SnapKV-10% cache, int8 dynamic weights", drafts["int8"], linear_weight_bytes(draft_model(model, "int8")) + draft_kv),
+        (
+            "draft step, SnapKV-10% cache, bf16 weights",
+            drafts["bf16"],
+            linear_weight_bytes(draft_model(model, "bf16")) + draft_kv,
+        ),
+        (
+            "draft step, SnapKV-10% cache, int8 dynamic weights",
+            drafts["int8"],
+            linear_weight_bytes(draft_model(model, "int8")) + draft_kv,
+        ),
         (f"verify of {k} + 1 tokens, engine path (split attention)", verify, weights + full_kv),
         (f"verify of {k} + 1 tokens, one masked attention call", verify_masked, weights + full_kv),
     ]
-    print(f"embedded SmolLM2-135M, fp32, context {args.context}, {torch.get_num_threads()} threads, median of {args.repeats}, load avg {os.getloadavg()[0]:.2f}")
+    print(
+        f"embedded SmolLM2-135M, fp32, context {args.context}, {torch.get_num_threads()} threads, "
+        f"median of {args.repeats}, load avg {os.getloadavg()[0]:.2f}"
+    )
     print("| forward | ms | vs plain step | MB read | GB/s |")
     print("|---|---|---|---|---|")
     for name, ms, nbytes in rows:
         print(f"| {name} | {ms:.1f} | {ms / plain:.2f}x | {nbytes / 1e6:.0f} | {nbytes / ms / 1e6:.1f} |")
     if args.json:
-        args.json.write_text(json.dumps({
-            "context": args.context, "threads": torch.get_num_threads(), "repeats": args.repeats,
-            "rows": [{"forward": name, "ms": ms, "vs_plain_step": ms / plain, "bytes_read": nbytes} for name, ms, nbytes in rows],
-        }, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "context": args.context,
+                    "threads": torch.get_num_threads(),
+                    "repeats": args.repeats,
+                    "rows": [
+                        {"forward": name, "ms": ms, "vs_plain_step": ms / plain, "bytes_read": nbytes}
+                        for name, ms, nbytes in rows
+                    ],
+                },
+                indent=2,
+            )
+        )
     print(f"| ... plain step: attention (profiler) | {attention:.1f} | | | |")
     print(f"| ... plain step: linear layers (profiler) | {linear:.1f} | | | |")
     for name, draft_cost in (("fp32", drafts["same"]), ("bf16", drafts["bf16"]), ("int8", drafts["int8"])):

@@ -62,7 +62,11 @@ def measure(policy: str, competitors: int, context: int, new_tokens: int) -> dic
         spinner.start()
     try:
         done = subprocess.run(
-            [sys.executable, "-c", CHILD, str(context), str(new_tokens)], env=env, capture_output=True, text=True, check=True
+            [sys.executable, "-c", CHILD, str(context), str(new_tokens)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
         )
     finally:
         for spinner in spinners:
@@ -84,7 +88,10 @@ def main() -> None:
     cores = os.cpu_count() or 1
     results = {(p, n): measure(p, n, args.context, args.new_tokens) for p in args.policies for n in args.competitors}
     threads = next(iter(results.values()))["threads"]
-    print(f"embedded SmolLM2-135M, fp32, context {args.context}, {args.new_tokens} new tokens, {cores} cores, {threads} threads")
+    print(
+        f"embedded SmolLM2-135M, fp32, context {args.context}, {args.new_tokens} new tokens, "
+        f"{cores} cores, {threads} threads"
+    )
     print("| wait policy | competitors | fair share | plain tok/s | vs alone | lossless tok/s | vs alone |")
     print("|---|---|---|---|---|---|---|")
     for (policy, competitors), row in results.items():

@@ -74,7 +74,9 @@ def connector_options(args: argparse.Namespace, row: str, where: str) -> dict[st
         return {"kv_transfer_config": KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                                        kv_connector_extra_config={"shared_storage_path": where})}
     extra: dict[str, Any] = {"store": where, "chunk_tokens": args.chunk_tokens}
-    extra.update({"write": list(ADAPTIVE), "fetch": list(ADAPTIVE)} if "adaptive" in row else {"allow_recompute": False})
+    extra.update(
+        {"write": list(ADAPTIVE), "fetch": list(ADAPTIVE)} if "adaptive" in row else {"allow_recompute": False}
+    )
     return {"kv_transfer_config": KVTransferConfig(kv_connector="KVLabConnector", kv_role="kv_both",
                                                    kv_connector_module_path="kvlab.integrations.vllm",
                                                    kv_connector_extra_config=extra)}
@@ -114,7 +116,11 @@ def decode_child(args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
         options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
                                          "prompt_lookup_min": 2}
     elif kind == "draft_model":
-        options["speculative_config"] = {"method": "draft_model", "model": model_directory(), "num_speculative_tokens": k}
+        options["speculative_config"] = {
+            "method": "draft_model",
+            "model": model_directory(),
+            "num_speculative_tokens": k,
+        }
     elif kind == "kvlab proposer":
         os.environ["KVLAB_VLLM_DRAFTER"] = args.drafter
         options["speculative_config"] = {"method": "custom_class", "num_speculative_tokens": k,
@@ -288,7 +294,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     cold = next((r["ttft_s"] for r in rows if r["setting"] == "vllm cold"), None)
     example = next((r["bytes_per_token"] for r in rows if r["setting"] == "vllm + ExampleConnector"), None)
     plain = next((r["decode_tokens_per_s"] for r in rows if r["setting"] == "decode: vllm plain"), None)
-    print("| setting | TTFT s | TTFT / cold | bytes/token | bytes / Example | decode tok/s | / plain | acceptance | identical |")
+    print(
+        "| setting | TTFT s | TTFT / cold | bytes/token | bytes / Example | decode tok/s | / plain "
+        "| acceptance | identical |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         def ratio(value: float | None, base: float | None) -> str:
@@ -297,9 +306,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         bytes_text = f"{r['bytes_per_token']:.0f}" if r["bytes_per_token"] is not None else "-"
         decode = r["decode_tokens_per_s"]
         acceptance = f"{r['acceptance_rate']:.2f} (len {r['acceptance_length']:.2f})" if "acceptance_rate" in r else "-"
-        print(f"| {r['setting']} | {r['ttft_s']:.2f} | {ratio(r['ttft_s'], cold)} | {bytes_text} | "
-              f"{ratio(r['bytes_per_token'], example)} | {f'{decode:.2f}' if decode else '-'} | {ratio(decode, plain)} | "
-              f"{acceptance} | {r['identical']} |")
+        print(
+            f"| {r['setting']} | {r['ttft_s']:.2f} | {ratio(r['ttft_s'], cold)} | {bytes_text} | "
+            f"{ratio(r['bytes_per_token'], example)} | {f'{decode:.2f}' if decode else '-'} | {ratio(decode, plain)} | "
+            f"{acceptance} | {r['identical']} |"
+        )
     for r in rows:
         if "proposer" in r:
             p = r["proposer"]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvlab.models import LoadedModel
+from tests.helpers import RedisServer, tiny_llama
 
 # Modules whose tests take seconds each (the architecture matrix builds and runs a model per family
 # and capability); everything under tests/integration is slow too.
@@ -33,10 +34,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         by_parameter = callspec is not None and any("redis" in str(value) for value in callspec.params.values())
         if by_parameter or REDIS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.redis)
-from tests.helpers import (
-    RedisServer,
-    tiny_llama,
-)
 
 
 @pytest.fixture(params=[4, 2], ids=["mha", "gqa"])

@@ -133,7 +133,10 @@ _MULTIMODAL = "multimodal or audio model: its text decoder, when it has one, is 
 _LATENT = "latent (MLA), indexed or compressed sparse attention: the cache holds a latent, not per-head keys/values"
 _ALIBI = "ALiBi or relative position biases live in the attention mask, which kvlab's attention does not apply"
 _MOE = "mixture-of-experts variant of a dense family: experts change the MLP, not attention; not yet run in the matrix"
-_CHUNKED = "chunked, block-sparse or hashed (LSH) local attention: kvlab's cache masks only causal and sliding-window attention"
+_CHUNKED = (
+    "chunked, block-sparse or hashed (LSH) local attention: "
+    "kvlab's cache masks only causal and sliding-window attention"
+)
 _UNTESTED = "dense decoder-only transformer not yet run in the matrix (add a FAMILIES entry to cover it)"
 
 NOT_IN_MATRIX: dict[str, str] = {
@@ -173,7 +176,8 @@ NOT_IN_MATRIX: dict[str, str] = {
     ),
     **dict.fromkeys(
         ["apertus", "apertus1p5_text", "arcee", "biogpt", "bitnet", "codegen", "cohere", "cohere2",
-         "cohere_compass_text", "ctrl", "cwm", "diffllama", "falcon", "hrm_text", "solar_open", "xglm", "dory", "ernie4_5", "exaone", "exaone4", "gemma",
+         "cohere_compass_text", "ctrl", "cwm", "diffllama", "falcon", "hrm_text", "solar_open", "xglm", "dory",
+         "ernie4_5", "exaone", "exaone4", "gemma",
          "gemma4_text", "gemma4_unified_text", "gemma4_assistant", "gemma4_unified_assistant", "glm", "glm4",
          "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neox_japanese", "gptj", "granite", "granite_swa", "helium",
          "hunyuan_v1_dense", "hyperclovax", "internlm3", "iquestcoder", "jais2", "ministral", "ministral3",

@@ -151,7 +151,9 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def assert_identity_compression_is_bit_identical(loaded: LoadedModel, compressor: Compressor, ids: torch.Tensor, label: str) -> None:
+def assert_identity_compression_is_bit_identical(
+    loaded: LoadedModel, compressor: Compressor, ids: torch.Tensor, label: str
+) -> None:
     """A compressor set to keep everything gives the plain cache's logits bit for bit: the prompt
     ([1, 32] of the 48 `ids`), then 16 decode steps."""
     plain = KVCache.allocate(loaded.architecture, 1, 64, loaded.dtype, loaded.device)
@@ -161,5 +163,5 @@ def assert_identity_compression_is_bit_identical(loaded: LoadedModel, compressor
     for t in range(32, 48):
         expected.append(forward(loaded.model, plain, ids[:, t : t + 1]))
         actual.append(forward(loaded.model, compressed, ids[:, t : t + 1]))
-    for step, (want, got) in enumerate(zip(expected, actual)):
+    for step, (want, got) in enumerate(zip(expected, actual, strict=True)):
         assert torch.equal(want, got), f"{label}: step {step} differs"

@@ -14,33 +14,52 @@ tested against.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Visibility:
+    """Which stored keys each query may attend: where the queries and keys sit in their sequences.
+
+    Attributes:
+        query_positions: [B, q] int64, the true sequence position of each query.
+        key_lengths: Valid stored keys per row (len B, each <= T); the newest keys are the queries' own.
+        key_positions: [B, T] int64 true positions of the stored keys, or None when position == index.
+        sliding_window: Keys at least this many positions behind a query are invisible; None when no
+            query is that far along (the caller knows the positions without a device sync).
+    """
+
+    query_positions: torch.Tensor
+    key_lengths: list[int]
+    key_positions: torch.Tensor | None = None
+    sliding_window: int | None = None
+
+    def mask(self, num_keys: int) -> torch.Tensor:
+        """Boolean [B, 1, q, T] over `num_keys` stored keys (see `visibility_mask`)."""
+        return visibility_mask(
+            self.query_positions, self.key_lengths, num_keys, self.key_positions, self.sliding_window
+        )
 
 
 def attend(
     queries: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    query_positions: torch.Tensor,
-    key_lengths: list[int],
+    visibility: Visibility,
     scaling: float,
-    key_positions: torch.Tensor | None = None,
-    sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of `q` new queries per row over stored keys.
 
     Args:
         queries: [B, H, q, D], rotary already applied.
-        keys: [B, H_kv, T, D], stored keys (rows may be valid only up to `key_lengths[b]`).
+        keys: [B, H_kv, T, D], stored keys (rows may be valid only up to `visibility.key_lengths[b]`).
         values: [B, H_kv, T, D].
-        query_positions: [B, q] int64, the true sequence position of each query.
-        key_lengths: Valid stored keys per row (len B, each <= T); the newest keys are the queries' own.
+        visibility: Positions of the queries and keys, and the sliding window.
         scaling: Softmax scale.
-        key_positions: [B, T] int64 true positions of the stored keys, or None when position == index.
-        sliding_window: Keys at least this many positions behind a query are invisible; pass None when
-            no query is that far along (the caller knows the positions without a device sync).
         softcap: Attention-logit soft-cap (Gemma 2), or None; soft-capped attention takes the explicit path.
 
     Returns:
@@ -48,21 +67,19 @@ def attend(
     """
     num_queries, num_keys = queries.shape[2], keys.shape[2]
     gqa = queries.shape[1] != keys.shape[1]
-    uniform = key_positions is None and all(length == num_keys for length in key_lengths)
+    uniform = visibility.key_positions is None and all(length == num_keys for length in visibility.key_lengths)
     if softcap is not None:
-        everything_visible = uniform and sliding_window is None and num_queries == 1
-        mask = None if everything_visible else visibility_mask(
-            query_positions, key_lengths, num_keys, key_positions, sliding_window
-        )
+        everything_visible = uniform and visibility.sliding_window is None and num_queries == 1
+        mask = None if everything_visible else visibility.mask(num_keys)
         return softcapped_attention(queries, keys, values, mask, scaling, softcap)
-    if uniform and sliding_window is None:
+    if uniform and visibility.sliding_window is None:
         if num_queries == 1:
             return F.scaled_dot_product_attention(queries, keys, values, scale=scaling, enable_gqa=gqa)
         if num_queries == num_keys:
             return F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scaling, enable_gqa=gqa)
-        if 2 * num_queries > num_keys and _queries_are_newest_keys(query_positions, num_keys):
+        if 2 * num_queries > num_keys and _queries_are_newest_keys(visibility.query_positions, num_keys):
             return _padded_causal(queries, keys, values, scaling, gqa)
-    mask = visibility_mask(query_positions, key_lengths, num_keys, key_positions, sliding_window)
+    mask = visibility.mask(num_keys)
     return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
 
 
@@ -178,7 +195,9 @@ def attend_newest(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     block, block_lse = attention_with_lse(queries, block_keys, block_values, scaling, causal=True)
     if num_prefix == 0:
         return block
-    prefix, prefix_lse = attention_with_lse(folded, keys[:, :, :num_prefix], values[:, :, :num_prefix], scaling, causal=False)
+    prefix, prefix_lse = attention_with_lse(
+        folded, keys[:, :, :num_prefix], values[:, :, :num_prefix], scaling, causal=False
+    )
     prefix = prefix.reshape(1, heads, num_queries, dim)
     prefix_lse = prefix_lse.reshape(1, heads, num_queries)
     return merge_attention(prefix, prefix_lse, block, block_lse).to(queries.dtype)

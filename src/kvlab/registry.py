@@ -126,7 +126,9 @@ class Registry(Generic[T]):
             elif field.default_factory is not dataclasses.MISSING:
                 default = field.default_factory()
             infos.append(
-                ParameterInfo(field.name, type_name(hints.get(field.name, Any)), default, field.metadata.get("help", ""))
+                ParameterInfo(
+                    field.name, type_name(hints.get(field.name, Any)), default, field.metadata.get("help", "")
+                )
             )
         return infos
 

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.integration
 KIVI_FULL_PRECISION_TOKENS = 160
 
 
-def test_smoke_preset_runs_every_task_and_renders_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_smoke_preset_runs_every_task_and_renders_the_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "smoke"
     assert main(["bench", "--preset", "smoke", "--out", str(out), "--threads", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)

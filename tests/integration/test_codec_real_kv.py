@@ -34,7 +34,7 @@ def test_kv_has_the_model_geometry(real_kv: tuple[torch.Tensor, torch.Tensor]) -
 @pytest.mark.parametrize("name", ["byteplane", "zstd"])
 def test_bit_exact_codecs_round_trip_real_kv(name: str, real_kv: tuple[torch.Tensor, torch.Tensor]) -> None:
     codec = create_codec(name)
-    for label, tensor in zip(("keys", "values"), real_kv):
+    for label, tensor in zip(("keys", "values"), real_kv, strict=True):
         decoded = codec.decode(codec.encode(tensor))
         assert (integer_view(decoded) == integer_view(tensor)).all(), f"{name} changed bits of the {label}"
 
@@ -49,7 +49,7 @@ def test_byteplane_beats_plain_zstd_on_real_kv(real_kv: tuple[torch.Tensor, torc
 def test_code_lossless_codecs_reproduce_the_dequantized_kv(
     name: str, real_kv: tuple[torch.Tensor, torch.Tensor]
 ) -> None:
-    for kind, tensor in zip(("keys", "values"), real_kv):
+    for kind, tensor in zip(("keys", "values"), real_kv, strict=True):
         layer = tensor[:4]
         codec = create_codec(name, kind=kind, bits=4)
         decoded = codec.decode(codec.encode(layer))
@@ -81,7 +81,7 @@ def test_bench_command_prints_json_rows(capsys: pytest.CaptureFixture[str]) -> N
 def test_video_coded_codes_of_real_kv_come_back_identical(
     video_format: str, real_kv: tuple[torch.Tensor, torch.Tensor]
 ) -> None:
-    for kind, tensor in zip(("keys", "values"), real_kv):
+    for kind, tensor in zip(("keys", "values"), real_kv, strict=True):
         layers = tensor[:4]
         codec = create_codec("video_codes", kind=kind, bits=2, format=video_format, hardware="never")
         decoded = codec.decode(codec.encode(layers))
@@ -104,7 +104,9 @@ def test_rate_fidelity_command_reports_every_coder_the_bound_and_a_plot(
 
 def test_task_fidelity_decodes_from_a_prefix_restored_through_the_store(embedded_model: LoadedModel) -> None:
     specs = (("variable_tracking", {"context_tokens": 300}),)
-    (row,) = task_fidelity(embedded_model, specs, samples_per_task=1, bits_list=(8,), max_new_tokens=6, chunk_tokens=128)
+    (row,) = task_fidelity(
+        embedded_model, specs, samples_per_task=1, bits_list=(8,), max_new_tokens=6, chunk_tokens=128
+    )
     assert (row.bits, row.resolution, row.num_prompts) == (8, "int8", 1)
     assert row.reused_tokens >= 128, "the prefix must come from the store"
     assert 0.0 <= row.matched_prefix <= 1.0 and row.identical in (0.0, 1.0)
@@ -116,7 +118,11 @@ def test_capture_then_encode_then_decode_gives_back_the_captured_kv_bit_for_bit(
     from safetensors.torch import load_file
 
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"A prompt about caches, read from stdin.")))
-    captured, frames, decoded = tmp_path / "kv.safetensors", tmp_path / "frames.safetensors", tmp_path / "out.safetensors"
+    captured, frames, decoded = (
+        tmp_path / "kv.safetensors",
+        tmp_path / "frames.safetensors",
+        tmp_path / "out.safetensors",
+    )
     assert main(["codec", "capture", str(captured), "--prompt-file", "-", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     kv = load_file(str(captured))

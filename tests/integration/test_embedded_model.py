@@ -51,7 +51,10 @@ def test_verifying_k_tokens_in_one_forward_matches_k_sequential_steps(
         dim=1,
     )
     chunked = torch.cat(
-        [forward(embedded_model.model, snapshot, tokens[:, t : t + 8]) for t in range(prompt_length, tokens.shape[1], 8)],
+        [
+            forward(embedded_model.model, snapshot, tokens[:, t : t + 8])
+            for t in range(prompt_length, tokens.shape[1], 8)
+        ],
         dim=1,
     )
     mismatches = (sequential.argmax(-1) != chunked.argmax(-1)).nonzero()[:, 1].tolist()
@@ -79,7 +82,9 @@ def test_cli_generate_raw_json_returns_transformers_greedy_ids(
     assert {"ttft_s", "decode_tokens_per_s", "new_tokens"} <= set(result["stats"])
 
 
-def test_cli_applies_the_chat_template_without_raw(embedded_model: LoadedModel, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_applies_the_chat_template_without_raw(
+    embedded_model: LoadedModel, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["generate", "--prompt", "Say hi.", "--max-new-tokens", "4", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert embedded_model.tokenizer.decode(result["prompt_token_ids"]).startswith("<|im_start|>system")

@@ -89,5 +89,5 @@ def test_a_restored_prefix_gives_the_logits_of_recomputation(gemma: LoadedModel,
     recomputed, _, expected = prefill(gemma, [continued], len(continued) + 1, chunk_tokens=CHUNK)
     assert stats.prefix_reused_tokens == 2 * CHUNK
     assert torch.equal(logits, expected)
-    for index, (got, want) in enumerate(zip(restored.layers, recomputed.layers)):
+    for index, (got, want) in enumerate(zip(restored.layers, recomputed.layers, strict=True)):
         assert torch.equal(got.values[:, :, : len(continued)], want.values[:, :, : len(continued)]), f"layer {index}"

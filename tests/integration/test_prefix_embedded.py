@@ -41,7 +41,7 @@ def test_fetched_prefix_then_continue_gives_the_logits_of_recompute(
     expected_cache, _, expected_logits = prefill(embedded_model, [prompt], 1200, chunk_tokens=CHUNK)
     assert stats.prefix_reused_tokens == 4 * CHUNK
     assert torch.equal(logits, expected_logits)
-    for layer, expected in zip(cache.layers, expected_cache.layers):
+    for layer, expected in zip(cache.layers, expected_cache.layers, strict=True):
         assert torch.equal(layer.stored(0)[0], expected.stored(0)[0])  # type: ignore[attr-defined]
         assert torch.equal(layer.stored(0)[1], expected.stored(0)[1])  # type: ignore[attr-defined]
 

@@ -123,9 +123,14 @@ def spec_engine() -> Any:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(DRAFTER_ENV, '{"name": "snapkv", "budget": 64}')
-        llm = make_engine(speculative_config={"method": "custom_class", "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
-                                              "model": "kvlab.integrations.vllm.KVLabDraftProposer"},
-                          disable_log_stats=False)
+        llm = make_engine(
+            speculative_config={
+                "method": "custom_class",
+                "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+                "model": "kvlab.integrations.vllm.KVLabDraftProposer",
+            },
+            disable_log_stats=False,
+        )
     yield llm
     llm.llm_engine.engine_core.shutdown()
 
@@ -145,7 +150,7 @@ def test_vllm_drafting_with_a_kvlab_compressor_keeps_greedy_output(spec_engine: 
     outputs = spec_engine.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     reference = transformers_model(model_directory(), "float32")
     expected = generate(reference, prompts, GenerationConfig(max_new_tokens=24, ignore_eos=True))
-    for row, (output, wanted) in enumerate(zip(outputs, expected.requests)):
+    for row, (output, wanted) in enumerate(zip(outputs, expected.requests, strict=True)):
         assert list(output.outputs[0].token_ids) == wanted.token_ids, f"prompt {row} decoded differently"
     proposer = proposer_of(spec_engine)
     assert proposer.stats.num_prefills == 2 and proposer.stats.num_draft_tokens > 0

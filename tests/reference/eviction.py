@@ -3,6 +3,8 @@ papers' equations, used as oracles for kvlab's vectorized versions."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 
@@ -66,8 +68,19 @@ def streamingllm_indices(num_heads: int, num_tokens: int, num_sinks: int, budget
     return np.array([sorted(set(kept))] * num_heads)
 
 
-def cam_values(queries, keys, values, scaling, num_sinks, budget, span, window) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[no-untyped-def]
+@dataclass(frozen=True)
+class CaMSettings:
+    """CaM's hyper-parameters: attention sinks kept, token budget, merge span, observation window."""
+
+    num_sinks: int
+    budget: int
+    span: int
+    window: int
+
+
+def cam_values(queries, keys, values, scaling, settings: CaMSettings) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[no-untyped-def]
     """CaM with the expected merge weight: returns (kept indices, kept merged values)."""
+    num_sinks, budget, span, window = settings.num_sinks, settings.budget, settings.span, settings.window
     num_heads, num_tokens = keys.shape[0], keys.shape[1]
     kept = streamingllm_indices(num_heads, num_tokens, num_sinks, budget)
     attention = attention_received(queries, keys, scaling, window) / window

@@ -125,7 +125,9 @@ def string_constants(source: str, name: str) -> list[tuple[int, str]]:
     """`(line, text)` of every string literal inside the module-level assignment to `name`."""
     found = []
     for node in ast.parse(source).body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         if any(isinstance(target, ast.Name) and target.id == name for target in targets) and node.value is not None:
             found += [(constant.lineno, constant.value) for constant in ast.walk(node.value)
                       if isinstance(constant, ast.Constant) and isinstance(constant.value, str)]

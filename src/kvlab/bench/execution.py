@@ -8,6 +8,7 @@ file size and processes, and sockets disabled by a preamble. This is a guard aga
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -62,7 +63,7 @@ def run_python(program: str, timeout_s: float = 10.0) -> ExecutionResult:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,
-            preexec_fn=_limit_resources(timeout_s),  # noqa: PLW1509 - limits must be set in the child
+            preexec_fn=_limit_resources(timeout_s),  # limits must be set in the child
         )
         try:
             _, stderr = process.communicate(timeout=timeout_s)
@@ -88,8 +89,6 @@ def _limit_resources(timeout_s: float):  # type: ignore[no-untyped-def]
 
 
 def _kill_group(process: subprocess.Popen[bytes]) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     process.communicate()

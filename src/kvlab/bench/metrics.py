@@ -95,7 +95,7 @@ def first_divergence(token_ids: Sequence[int], reference_ids: Sequence[int]) -> 
 
     A strict prefix diverges at the shorter one's length (one output stopped, the other went on).
     """
-    for index, (token, reference) in enumerate(zip(token_ids, reference_ids)):
+    for index, (token, reference) in enumerate(zip(token_ids, reference_ids, strict=False)):
         if token != reference:
             return index
     if len(token_ids) != len(reference_ids):

@@ -79,7 +79,7 @@ class CompressedOnce(EvictionCompressor):
 def shared_prefix_length(first: Sequence[int], other: Sequence[int]) -> int:
     """Number of leading token ids two prompts have in common."""
     length = 0
-    for a, b in zip(first, other):
+    for a, b in zip(first, other, strict=False):
         if a != b:
             break
         length += 1

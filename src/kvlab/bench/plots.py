@@ -58,17 +58,19 @@ def method_points(cells: Sequence[dict[str, Any]]) -> dict[str, tuple[float, flo
 def render_plots(cells: Sequence[dict[str, Any]], directory: Path, prefix: str, model: str = "") -> list[Path]:
     """Write one model's figures; returns their paths."""
     figure_class = _figure_class()
-    methods = list(dict.fromkeys(cell["method"] for cell in cells))
-    task_names = list(dict.fromkeys(cell["task"] for cell in cells))
     suffix = f" — {model}" if model else ""
     paths = [
-        _scatter(figure_class, cells, f"Quality vs decode throughput{suffix}", directory / f"{prefix}quality_vs_throughput.png"),
-        _grouped_bars(
-            figure_class, cells, methods, task_names, lambda c: c["primary"],
-            "quality (each task's primary metric)", f"Quality per task{suffix}", directory / f"{prefix}quality_by_task.png",
+        _scatter(
+            figure_class, cells, f"Quality vs decode throughput{suffix}",
+            directory / f"{prefix}quality_vs_throughput.png",
         ),
         _grouped_bars(
-            figure_class, cells, methods, task_names, lambda c: c["system"]["kv_bytes_ratio"],
+            figure_class, cells, lambda c: c["primary"],
+            "quality (each task's primary metric)", f"Quality per task{suffix}",
+            directory / f"{prefix}quality_by_task.png",
+        ),
+        _grouped_bars(
+            figure_class, cells, lambda c: c["system"]["kv_bytes_ratio"],
             KV_BYTES_LABEL, f"KV bytes ratio per task{suffix}", directory / f"{prefix}kv_bytes_ratio.png",
         ),
     ]  # fmt: skip
@@ -169,7 +171,7 @@ def _scatter(figure_class: Any, cells: Sequence[dict[str, Any]], title: str, pat
     axes = figure.subplots()
     axes.scatter([x for x, _ in coordinates], [y for _, y in coordinates], color="tab:blue", zorder=3)
     offsets = label_offsets(coordinates)
-    for name, (x, y), lift in zip(names, coordinates, offsets):
+    for name, (x, y), lift in zip(names, coordinates, offsets, strict=True):
         leader = {"arrowstyle": "-", "color": "0.6", "linewidth": 0.5} if lift else None
         axes.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4 + lift), fontsize=8, arrowprops=leader)
     front = front_to_draw(coordinates)
@@ -182,7 +184,8 @@ def _scatter(figure_class: Any, cells: Sequence[dict[str, Any]], title: str, pat
     y_max = max((y for _, y in coordinates), default=0.0) or 1.0
     # A label's top sits its lift plus about two lines (16 points) above its point.
     label_top = max(
-        (y + (lift + 16.0) / AXES_HEIGHT_PT * y_max for (_, y), lift in zip(coordinates, offsets)), default=y_max
+        (y + (lift + 16.0) / AXES_HEIGHT_PT * y_max for (_, y), lift in zip(coordinates, offsets, strict=True)),
+        default=y_max,
     )
     axes.set_ylim(bottom=0, top=max(1.05 * y_max, label_top))
     axes.set_xlabel("decode throughput, tokens/s (median over tasks)")
@@ -196,13 +199,14 @@ def _scatter(figure_class: Any, cells: Sequence[dict[str, Any]], title: str, pat
 def _grouped_bars(
     figure_class: Any,
     cells: Sequence[dict[str, Any]],
-    methods: list[str],
-    task_names: list[str],
     value: Callable[[dict[str, Any]], float | None],
     ylabel: str,
     title: str,
     path: Path,
 ) -> Path:
+    """One group of bars per task, one bar per method (both in the cells' order), of `value(cell)`."""
+    methods = list(dict.fromkeys(cell["method"] for cell in cells))
+    task_names = list(dict.fromkeys(cell["task"] for cell in cells))
     lookup = {(cell["task"], cell["method"]): value(cell) for cell in cells}
     figure = figure_class(figsize=(max(7, 1.4 * len(task_names) + 2), 5), layout="constrained")
     axes = figure.subplots()
@@ -211,7 +215,7 @@ def _grouped_bars(
         xs = [i + (offset - (len(methods) - 1) / 2) * width for i in range(len(task_names))]
         heights = [lookup.get((task, method)) for task in task_names]
         bars = axes.bar(xs, [h or 0.0 for h in heights], width, label=method)
-        for x, height, bar in zip(xs, heights, bars):
+        for x, height, bar in zip(xs, heights, bars, strict=True):
             if height is None:
                 bar.set_visible(False)
                 axes.text(x, 0, "n/a", rotation=90, ha="center", va="bottom", fontsize=7, color="dimgray")
@@ -283,7 +287,7 @@ def _per_turn(figure_class: Any, cells: Sequence[dict[str, Any]], title: str, pa
     )
     turn_cells = [cell for cell in cells if cell.get("per_turn")]
     several_tasks = len({cell["task"] for cell in turn_cells}) > 1
-    for axes, (key, ylabel) in zip(panels, keys):
+    for axes, (key, ylabel) in zip(panels, keys, strict=True):
         for cell in turn_cells:
             points = sorted(
                 (int(turn), figures[key]) for turn, figures in cell["per_turn"].items() if figures[key] is not None

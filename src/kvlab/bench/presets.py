@@ -62,7 +62,8 @@ PAPER_LOSSLESS_METHODS = ("lossless-kivi-2",)
 
 PAPER = Preset(
     description="the benchmark paper's matrix on 2K-token contexts: full KV, KIVI-2/4, TurboQuant-3/4, "
-    "SnapKV and CaM at 50% and 75% eviction, lossless KIVI-2 drafting, on multi-doc QA, single-doc QA, few-shot, summarization",
+    "SnapKV and CaM at 50% and 75% eviction, lossless KIVI-2 drafting, on multi-doc QA, single-doc QA, "
+    "few-shot, summarization",
     tasks=(
         {"name": "hotpotqa", "context_tokens": 2048, "max_new_tokens": 24},
         {"name": "squad", "context_tokens": 2048, "max_new_tokens": 24},

@@ -84,7 +84,8 @@ def _header(directory: Path, config: dict[str, Any], models: Sequence[str]) -> l
         f"- tasks: {tasks_text or 'unknown'}",
         f"- samples per task: {config.get('samples', '?')}; timing repeats per sample: {config.get('repeats', '?')}"
         + (f"; compression ratios swept: {', '.join(f'{r:g}' for r in ratios)}" if ratios else ""),
-        f"- git revision: {revision.get('commit', 'unknown')}{' (uncommitted changes)' if revision.get('dirty') else ''}",
+        f"- git revision: {revision.get('commit', 'unknown')}"
+        + (" (uncommitted changes)" if revision.get("dirty") else ""),
         (
             f"- device: {environment.get('device', '?')}; CPU: {cpu.get('processor', '?')}, "
             f"{cpu.get('usable_cores', '?')} usable cores, {cpu.get('torch_threads', '?')} torch threads; GPU: {gpus}"
@@ -119,7 +120,11 @@ def models_side_by_side(cells: Sequence[dict[str, Any]], models: Sequence[str]) 
                 _number(ratios[len(ratios) // 2] if ratios else None, 2) + ("x" if ratios else ""),
             ]
         lines += _row(row)
-    return lines + ["", "Quality: mean over tasks of the primary metric; fidelity: mean matched prefix; KV bytes: median.", ""]
+    return lines + [
+        "",
+        "Quality: mean over tasks of the primary metric; fidelity: mean matched prefix; KV bytes: median.",
+        "",
+    ]
 
 
 def model_section(model: str, cells: Sequence[dict[str, Any]], plots: Sequence[str]) -> list[str]:
@@ -187,7 +192,12 @@ def turn_table(cells: Sequence[dict[str, Any]]) -> list[str]:
     """A shared-context task: quality and matched prefix per turn (the cache was compressed at turn 1)."""
     turns = sorted({int(turn) for cell in cells for turn in cell.get("per_turn") or {}})
     header = ["method", *(f"turn {t} quality" for t in turns), *(f"turn {t} fidelity" for t in turns)]
-    lines = [f"Per turn ({cells[0]['task']}; fidelity: matched prefix):", "", *_row(header), _row(["---"] * len(header))[0]]
+    lines = [
+        f"Per turn ({cells[0]['task']}; fidelity: matched prefix):",
+        "",
+        *_row(header),
+        _row(["---"] * len(header))[0],
+    ]
     for cell in cells:
         per_turn = cell.get("per_turn") or {}
         qualities = [_number((per_turn.get(str(t)) or {}).get("quality")) for t in turns]

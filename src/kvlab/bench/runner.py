@@ -55,6 +55,23 @@ class BenchCallbacks:
         """One sample finished."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelRun:
+    """What every cell of one model's run shares: the output folder, the model, the matrix and its hooks.
+
+    `revision` is the code the run started with (each cell's fingerprint and metrics record it);
+    `warmed` holds the labels of methods already warmed up in this process (the cells add to it).
+    """
+
+    out: Path
+    model: str
+    loaded: LoadedModel
+    config: BenchConfig
+    callbacks: BenchCallbacks
+    revision: RunRevision
+    warmed: set[str]
+
+
 @dataclasses.dataclass(slots=True)
 class PreparedTask:
     """A task with its samples and their prompt token ids for one model."""
@@ -107,10 +124,11 @@ def _run_models(
         prepared = [prepare_task(loaded, task, config.samples) for task in task_objects]
         callbacks.on_start(model, _remaining_samples(out, model, prepared, config.methods))
         warmed: set[str] = set() if config.warmup else {method.label for method in config.methods}
+        model_run = ModelRun(out, model, loaded, config, callbacks, revision, warmed)
         for item in prepared:
             for method in config.methods:
                 callbacks.on_cell(model, item.name, method.label)
-                cells.append(run_cell(out, model, loaded, item, method, config, callbacks, warmed, revision))
+                cells.append(run_cell(model_run, item, method))
     return cells
 
 
@@ -158,24 +176,10 @@ def warm_up(loaded: LoadedModel, method: BenchMethod, prompt: list[int]) -> None
     run_method(loaded, method, [prompt[:WARMUP_PROMPT_TOKENS]], config)
 
 
-def run_cell(
-    out: Path,
-    model: str,
-    loaded: LoadedModel,
-    item: PreparedTask,
-    method: BenchMethod,
-    config: BenchConfig,
-    callbacks: BenchCallbacks,
-    warmed: set[str],
-    revision: RunRevision,
-) -> dict[str, Any]:
-    """Generate and score the cell's missing samples, then write and return its metrics.
-
-    `warmed` holds the labels of methods already warmed up in this process (updated here);
-    `revision` is the code the run started with; the cell's fingerprint and metrics record it.
-    """
-    directory = results.cell_dir(out, model, item.name, method.label)
-    fingerprint = cell_fingerprint(model, item.task, method, config, revision.source)
+def run_cell(model_run: ModelRun, item: PreparedTask, method: BenchMethod) -> dict[str, Any]:
+    """Generate and score the cell's missing samples, then write and return its metrics."""
+    directory = results.cell_dir(model_run.out, model_run.model, item.name, method.label)
+    fingerprint = cell_fingerprint(model_run.model, item.task, method, model_run.config, model_run.revision.source)
     finished = _finished_metrics(directory, fingerprint, len(item.data.samples))
     if finished is not None:
         return finished
@@ -188,23 +192,24 @@ def run_cell(
     done = {record["id"] for record in records}
     generation = GenerationConfig(max_new_tokens=item.task.generation_length, stop_strings=item.task.stop_strings)
     selections: dict[str, dict[int, torch.Tensor]] = {}  # per document: the kept positions per layer at turn 1
-    with _shared_context_store(loaded, item.task) as prefix:
-        for sample, prompt in zip(item.data.samples, item.prompts):
+    with _shared_context_store(model_run.loaded, item.task) as prefix:
+        for sample, prompt in zip(item.data.samples, item.prompts, strict=True):
             if sample.id in done:
                 continue
-            if method.label not in warmed:
-                warm_up(loaded, method, prompt)
-                warmed.add(method.label)
+            if method.label not in model_run.warmed:
+                warm_up(model_run.loaded, method, prompt)
+                model_run.warmed.add(method.label)
             run = _sample_run(item, method, sample, prompt, prefix, selections)
-            record = measure_sample(loaded, run, item.task, sample, prompt, generation, config.repeats)
+            repeats = model_run.config.repeats
+            record = measure_sample(model_run.loaded, run, item.task, sample, prompt, generation, repeats)
             if prefix is not None:
                 prefix.flush()  # the next turn reuses what this one saved
             results.append_prediction(predictions, record)
             records.append(record)
-            callbacks.on_sample()
-    full_records = records if method.label == FULL_LABEL else _full_records(out, model, item.name)
+            model_run.callbacks.on_sample()
+    full_records = records if method.label == FULL_LABEL else _full_records(model_run.out, model_run.model, item.name)
     header = {
-        "model": model,
+        "model": model_run.model,
         "task": item.name,
         "workload": item.task.workload,
         "method": method.label,
@@ -212,7 +217,7 @@ def run_cell(
         "scorer": item.task.scorer,
         "skipped_rows": item.data.skipped_rows,
         "fingerprint": fingerprint,
-        "git_revision": revision.commit,
+        "git_revision": model_run.revision.commit,
     }
     metrics = summarize_cell(records, full_records, item.task.primary_metric, header)
     results.write_json(directory / results.METRICS_FILE, metrics)
@@ -257,7 +262,9 @@ def _sample_run(
     if turn == 1:
         selections[document] = {}
     first = next(
-        p for s, p in zip(item.data.samples, item.prompts) if s.extra["document"] == document and s.extra["turn"] == 1
+        p
+        for s, p in zip(item.data.samples, item.prompts, strict=True)
+        if s.extra["document"] == document and s.extra["turn"] == 1
     )
     # A resumed conversation whose turn 1 ran in an earlier process has no record: it compresses anew.
     recorded = selections.setdefault(document, {})

@@ -12,7 +12,15 @@ from typing import Any
 from kvlab.bench.metrics import first_divergence, matched_prefix_fraction, output_exact_match
 
 # Per-sample timing and size fields of `GenerationStats` the summary reports as medians.
-MEDIAN_STATS = ("ttft_s", "decode_tokens_per_s", "decode_s", "kv_bytes_ratio", "kv_bytes", "prompt_tokens", "new_tokens")
+MEDIAN_STATS = (
+    "ttft_s",
+    "decode_tokens_per_s",
+    "decode_s",
+    "kv_bytes_ratio",
+    "kv_bytes",
+    "prompt_tokens",
+    "new_tokens",
+)
 
 
 def median_stats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -31,7 +31,9 @@ def make_layer(compressor: Compressor | None, geometry: LayerGeometry, sliding_w
     raise TypeError(f"no cache layer for compressor family {type(compressor).__mro__[1].__name__}")
 
 
-def _context(compressor: Compressor, queries: torch.Tensor, row: int, scaling: float, layer_idx: int) -> CompressionContext:
+def _context(
+    compressor: Compressor, queries: torch.Tensor, row: int, scaling: float, layer_idx: int
+) -> CompressionContext:
     observed = queries[row] if compressor.observes_queries else None
     return CompressionContext(observed, scaling, layer_idx)
 
@@ -100,9 +102,8 @@ class EvictedKVLayer(CompressedKVLayer):
 
     def nbytes(self) -> int:
         heads, dim = self.keys.shape[1], self.keys.shape[3]
-        generated = sum(length - prompt for length, prompt in zip(self.lengths, self.prompt_lengths))
+        generated = sum(length - prompt for length, prompt in zip(self.lengths, self.prompt_lengths, strict=True))
         return sum(self.prompt_nbytes) + full_kv_nbytes(generated, heads, dim)
-
 
 
 class QuantizedKVLayer(CompressedKVLayer):
@@ -114,7 +115,10 @@ class QuantizedKVLayer(CompressedKVLayer):
     """
 
     row_state: ClassVar[dict[str, Callable[[], Any]]] = {
-        "key_blocks": list, "value_blocks": list, "quantized_lengths": int, "active": bool
+        "key_blocks": list,
+        "value_blocks": list,
+        "quantized_lengths": int,
+        "active": bool,
     }
     compressor: QuantizationCompressor
     key_blocks: list[list[QuantizedBlock]]
@@ -130,7 +134,7 @@ class QuantizedKVLayer(CompressedKVLayer):
             result = self.compressor.compress(keys, values, _context(self.compressor, queries, row, scaling, layer_idx))
             self.key_blocks[row], self.value_blocks[row] = [], []
             self.quantized_lengths[row] = 0
-            for key_block, value_block in zip(result.key_blocks, result.value_blocks):
+            for key_block, value_block in zip(result.key_blocks, result.value_blocks, strict=True):
                 self._store_block(row, key_block, value_block)
             self.active[row] = True
 
@@ -173,7 +177,9 @@ class QuantizedKVLayer(CompressedKVLayer):
     def nbytes(self) -> int:
         heads, dim = self.keys.shape[1], self.keys.shape[3]
         blocks = sum(block.nbytes() for row in self.key_blocks + self.value_blocks for block in row)
-        residual = sum(length - quantized for length, quantized in zip(self.lengths, self.quantized_lengths))
+        residual = sum(
+            length - quantized for length, quantized in zip(self.lengths, self.quantized_lengths, strict=True)
+        )
         overhead = self.compressor.overhead_nbytes() * sum(self.active)
         return blocks + full_kv_nbytes(residual, heads, dim) + overhead
 

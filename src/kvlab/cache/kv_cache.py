@@ -72,7 +72,7 @@ class KVCache:
     def advance(self, counts: int | list[int]) -> None:
         """Record that row b consumed counts[b] more tokens (an int: every row the same)."""
         per_row = [counts] * self.batch_size if isinstance(counts, int) else counts
-        self.seq_lengths = [length + count for length, count in zip(self.seq_lengths, per_row)]
+        self.seq_lengths = [length + count for length, count in zip(self.seq_lengths, per_row, strict=True)]
 
     def append(self, layer_kv: LayerKV, counts: list[int]) -> None:
         """Store keys/values computed elsewhere (e.g. by the verify pass): counts[b] tokens of row b.
@@ -81,7 +81,7 @@ class KVCache:
             layer_kv: Per layer, ([B, H_kv, q, D] keys, values) with rotary applied.
             counts: Tokens to take from the front of each row's q.
         """
-        for layer, (keys, values) in zip(self.layers, layer_kv):
+        for layer, (keys, values) in zip(self.layers, layer_kv, strict=True):
             layer.append(keys, values, counts)
         self.advance(counts)
 
@@ -98,16 +98,18 @@ class KVCache:
             chunks: Per chunk, ([L, H_kv, T, D] keys, values) for every layer.
             device: Where the cache's tensors live.
         """
-        for start, (keys, values) in zip(starts, chunks):
+        for start, (keys, values) in zip(starts, chunks, strict=True):
             if start > self.seq_lengths[0]:
                 self.advance(start - self.seq_lengths[0])
-            layer_kv = [(keys[layer][None].to(device), values[layer][None].to(device)) for layer in range(keys.shape[0])]
+            layer_kv = [
+                (keys[layer][None].to(device), values[layer][None].to(device)) for layer in range(keys.shape[0])
+            ]
             self.append(layer_kv, [keys.shape[2]])
 
     def drop_last(self, counts: int | list[int]) -> None:
         """Roll back the counts[b] most recent tokens of each row."""
         per_row = [counts] * self.batch_size if isinstance(counts, int) else counts
-        self.crop([length - count for length, count in zip(self.seq_lengths, per_row)])
+        self.crop([length - count for length, count in zip(self.seq_lengths, per_row, strict=True)])
 
     @contextlib.contextmanager
     def provisional(self) -> Iterator[None]:
@@ -129,9 +131,9 @@ class KVCache:
         targets = [lengths] * self.batch_size if isinstance(lengths, int) else list(lengths)
         if len(targets) != self.batch_size:
             raise ValueError(f"crop needs {self.batch_size} lengths, got {len(targets)}")
-        if any(target < 0 or target > length for target, length in zip(targets, self.seq_lengths)):
+        if any(target < 0 or target > length for target, length in zip(targets, self.seq_lengths, strict=True)):
             raise ValueError(f"cannot crop rows of lengths {self.seq_lengths} to {targets}")
-        counts = [length - target for length, target in zip(self.seq_lengths, targets)]
+        counts = [length - target for length, target in zip(self.seq_lengths, targets, strict=True)]
         for layer in self.layers:
             layer.drop_last(counts)
         self.seq_lengths = targets

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from kvlab.attention import attend, attend_newest
+from kvlab.attention import Visibility, attend, attend_newest
 from kvlab.compress.base import full_kv_nbytes
 
 # Per model layer, ([B, H_kv, q, D] keys, values) with rotary applied: what a forward hands a cache.
@@ -98,7 +98,9 @@ class KVLayer(abc.ABC):
     def copy_row_from(self, source: KVLayer, source_row: int, row: int) -> None:
         """Make row `row` hold exactly what `source` holds in `source_row` (same layer kind)."""
 
-    def compress_prompt(self, queries: torch.Tensor, scaling: float, layer_idx: int) -> None:
+    def compress_prompt(  # noqa: B027 - a no-op by default, not abstract: layers that keep everything inherit it
+        self, queries: torch.Tensor, scaling: float, layer_idx: int
+    ) -> None:
         """Compress what the rows hold, after the prompt's forward; layers that keep everything ignore it.
 
         Args:
@@ -120,7 +122,7 @@ class FullKVLayer(KVLayer):
 
     # The geometry spelled out field by field: TieredKVLayer (kvlab.cache.tiers) still calls this
     # positionally; new code builds layers with `create(geometry)`.
-    def __init__(  # noqa: PLR0913 -- positional geometry kept for TieredKVLayer until it passes a LayerGeometry
+    def __init__(
         self,
         batch_size: int,
         num_kv_heads: int,
@@ -163,10 +165,10 @@ class FullKVLayer(KVLayer):
             self.lengths = [length + num_new for length in self.lengths]
             return
         counts = counts or [num_new] * len(self.lengths)
-        for row, (start, count) in enumerate(zip(self.lengths, counts)):
+        for row, (start, count) in enumerate(zip(self.lengths, counts, strict=True)):
             self.keys[row, :, start : start + count] = new_keys[row, :, :count]
             self.values[row, :, start : start + count] = new_values[row, :, :count]
-        self.lengths = [length + count for length, count in zip(self.lengths, counts)]
+        self.lengths = [length + count for length, count in zip(self.lengths, counts, strict=True)]
 
     def attend(
         self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None
@@ -184,10 +186,12 @@ class FullKVLayer(KVLayer):
             queries.to(self.keys.dtype),
             self.keys[:, :, first:num_keys],
             self.values[:, :, first:num_keys],
-            query_positions - first if first else query_positions,
-            [length - first for length in self.lengths] if first else self.lengths,
+            Visibility(
+                query_positions - first if first else query_positions,
+                [length - first for length in self.lengths] if first else self.lengths,
+                sliding_window=window,
+            ),
             scaling,
-            sliding_window=window,
             softcap=softcap,
         )
         return output.to(queries.dtype)
@@ -203,9 +207,9 @@ class FullKVLayer(KVLayer):
         return attend_newest(queries.to(keys.dtype), keys, values, scaling).to(queries.dtype)
 
     def drop_last(self, counts: list[int]) -> None:
-        if any(count < 0 or count > length for count, length in zip(counts, self.lengths)):
+        if any(count < 0 or count > length for count, length in zip(counts, self.lengths, strict=True)):
             raise ValueError(f"cannot drop {counts} tokens from rows holding {self.lengths}")
-        self.lengths = [length - count for length, count in zip(self.lengths, counts)]
+        self.lengths = [length - count for length, count in zip(self.lengths, counts, strict=True)]
 
     def select_rows(self, rows: list[int]) -> None:
         index = torch.tensor(rows, device=self.keys.device)

@@ -79,7 +79,9 @@ class PairedPrefillStep(ForwardStep):
 
 
 @torch.inference_mode()
-def run_step(model: PreTrainedModel, step: ForwardStep, input_ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+def run_step(
+    model: PreTrainedModel, step: ForwardStep, input_ids: torch.Tensor, logits_to_keep: int = 0
+) -> torch.Tensor:
     """Feed `input_ids` [B, q] through `model` with attention handled by `step`; advances its cache."""
     if input_ids.shape[0] != step.cache.batch_size:
         raise ValueError(f"input has {input_ids.shape[0]} rows but the cache holds {step.cache.batch_size}")
@@ -153,7 +155,7 @@ class PackedStep:
         softcap: float | None = None,
     ) -> torch.Tensor:
         outputs, start = [], 0
-        for segment, positions in zip(self.segments, self.positions):
+        for segment, positions in zip(self.segments, self.positions, strict=True):
             end = start + segment.num_tokens
             keys, values = new_keys[:, :, start:end], new_values[:, :, start:end]
             if segment.captured is not None:

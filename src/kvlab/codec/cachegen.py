@@ -69,11 +69,11 @@ class CacheGenCodec(QuantizedCodec):
                            for index in batch]
             lanes = _Lanes.from_shapes(flat_shapes, shapes[batch[0]][2])
             streams: list[bytes | memoryview] = []
-            for index, (start, end) in zip(batch, lanes.chunk_ranges):
+            for index, (start, end) in zip(batch, lanes.chunk_ranges, strict=True):
                 streams += _unpack_lanes(blobs[index], end - start)
             matrix = decode_lanes(streams, lanes.lengths, self._contexts(lanes), 1 << self.bits) \
                 if lanes.count else np.zeros((0, 0), dtype=np.uint16)
-            for index, symbols in zip(batch, lanes.split(matrix, flat_shapes)):
+            for index, symbols in zip(batch, lanes.split(matrix, flat_shapes), strict=True):
                 decoded.append(self._codes(symbols, shapes[index]))
         return decoded
 
@@ -154,7 +154,7 @@ class _Lanes:
     def split(self, matrix: np.ndarray, shapes: Sequence[tuple[int, int]]) -> list[np.ndarray]:
         """Inverse of `matrix`: each chunk's `[lead, n]` symbols."""
         chunks = []
-        for (start, end), (lead, length) in zip(self.chunk_ranges, shapes):
+        for (start, end), (lead, length) in zip(self.chunk_ranges, shapes, strict=True):
             lanes = np.zeros((end - start, LANE_SYMBOLS), dtype=np.uint16)
             lanes[:, : matrix.shape[0]] = matrix[:, start:end].T
             chunks.append(lanes.reshape(lead, -1)[:, :length] if lead else np.zeros((0, length), np.uint16))
@@ -189,4 +189,4 @@ def _unpack_lanes(blob: bytes | memoryview, count: int) -> list[memoryview]:
     if int(lengths.sum()) != len(view) - 4 * count:
         raise CodecError("lane lengths do not add up to the payload size")
     ends = 4 * count + np.cumsum(lengths)
-    return [view[end - length : end] for end, length in zip(ends.tolist(), lengths.tolist())]
+    return [view[end - length : end] for end, length in zip(ends.tolist(), lengths.tolist(), strict=True)]

@@ -95,7 +95,7 @@ class ExpectedFrame:
         """Raise `CodecError` unless `header` describes a tensor this caller accepts."""
         if self.shape is not None and (
             len(header.shape) != len(self.shape)
-            or any(want is not None and got != want for got, want in zip(header.shape, self.shape))
+            or any(want is not None and got != want for got, want in zip(header.shape, self.shape, strict=True))
         ):
             wanted = ", ".join("*" if size is None else str(size) for size in self.shape)
             raise CodecError(f"frame holds shape {list(header.shape)}, expected [{wanted}]")
@@ -208,7 +208,7 @@ def read_frame(data: bytes | bytearray | memoryview) -> tuple[FrameHeader, list[
         change = "truncated" if payload_length < header.payload_bytes else "extended"
         raise CodecError(f"{change} frame: {payload_length} payload bytes, header lists {header.payload_bytes}")
     payloads, offset = [], header_end
-    for index, (size, crc) in enumerate(zip(header.chunk_sizes, header.chunk_crcs)):
+    for index, (size, crc) in enumerate(zip(header.chunk_sizes, header.chunk_crcs, strict=True)):
         payload = view[offset : offset + size]
         check_chunk(index, payload, crc)
         payloads.append(payload)

@@ -87,14 +87,14 @@ class QuantizedCodec(Codec):
     def encode_chunks(self, chunks: Sequence[torch.Tensor]) -> list[bytes]:
         quantized = [self.quantize_chunk(chunk) for chunk in chunks]
         code_blobs = self.encode_code_chunks([layouts.to_numpy(q.codes) for q in quantized])
-        return [pack_sections([_encode_meta(q), blob]) for q, blob in zip(quantized, code_blobs)]
+        return [pack_sections([_encode_meta(q), blob]) for q, blob in zip(quantized, code_blobs, strict=True)]
 
     def decode_chunks(
         self, payloads: Sequence[bytes | memoryview], shapes: Sequence[ChunkShape], dtype: torch.dtype
     ) -> Iterator[torch.Tensor]:
         sections = [unpack_sections(payload, 2) for payload in payloads]
         all_codes = self.decode_code_chunks([meta_and_codes[1] for meta_and_codes in sections], shapes)
-        for (meta, _), shape, codes in zip(sections, shapes, all_codes):
+        for (meta, _), shape, codes in zip(sections, shapes, all_codes, strict=True):
             if codes.shape != shape or (codes.size and int(codes.max()) >= 1 << self.bits):
                 raise CodecError(f"codes of shape {codes.shape} do not fit chunk {shape} at {self.bits} bits")
             zeros, scales = self._decode_meta(meta, shape, dtype)
@@ -169,7 +169,7 @@ class QuantizedCodec(Codec):
 
     def decode_code_chunks(self, blobs: Sequence[bytes | memoryview], shapes: Sequence[ChunkShape]) -> list[np.ndarray]:
         """Inverse of `encode_code_chunks`."""
-        return [self.decode_codes(blob, shape) for blob, shape in zip(blobs, shapes)]
+        return [self.decode_codes(blob, shape) for blob, shape in zip(blobs, shapes, strict=True)]
 
     def encode_codes(self, codes: np.ndarray) -> bytes:
         """Lossless payload of one chunk's uint8 codes `[lead, t, D]`."""

@@ -2,7 +2,8 @@
 
 Only one chunk's payload and its decoded tensor are held at a time, so the buffer is bounded by the
 largest chunk, not by the frame (KVCodec's fetcher; codecs that decode token by token restore each
-token as it is decoded and hold a few video frames instead of a decoded chunk): for SmolLM2-135M's 30 layers, a 256-token fp16 chunk of keys is
+token as it is decoded and hold a few video frames instead of a decoded chunk): for SmolLM2-135M's
+30 layers, a 256-token fp16 chunk of keys is
 2.9 MB decoded. Each chunk's checksum is verified before it is decoded; a stream that is corrupted
 further on raises `CodecError` after the earlier chunks were restored.
 """
@@ -28,7 +29,7 @@ def codec_for_header(header: framing.FrameHeader) -> Codec:
     """The codec a frame header names, built with the header's parameters and checked against it."""
     try:
         codec = codecs.create(header.codec, **header.params)
-    except Exception as error:  # noqa: BLE001 - parameters come from untrusted bytes
+    except Exception as error:  # parameters come from untrusted bytes
         raise CodecError(f"frame names a codec this kvlab cannot build: {error}") from None
     codec.check_header(header)
     return codec
@@ -91,12 +92,14 @@ class StreamDecoder:
         tokens = layouts.as_tokens(out)
         bounds = framing.chunk_bounds(tokens.shape[1], header.chunk_tokens)
         itemsize = out.element_size()
-        for index, ((start, end), shape) in enumerate(zip(bounds, chunk_shapes(header))):
+        for index, ((start, end), shape) in enumerate(zip(bounds, chunk_shapes(header), strict=True)):
             payload = self._read_exact(header.chunk_sizes[index], f"chunk {index}")
             framing.check_chunk(index, payload, header.chunk_crcs[index])
             restore_by_token = getattr(self.codec, "restore_by_token", None)
             if by_token and getattr(self.codec, "decodes_by_token", False) and restore_by_token is not None:
-                on_token = None if on_chunk is None else functools.partial(_report_token, on_chunk, start, tokens.shape[1])
+                on_token = (
+                    None if on_chunk is None else functools.partial(_report_token, on_chunk, start, tokens.shape[1])
+                )
                 held = restore_by_token(payload, tokens[:, start:end], on_token)
             else:
                 self.codec.decode_into([payload], [tokens[:, start:end]])

@@ -72,7 +72,7 @@ def has_codec(name: str, mode: str) -> bool:
     av = require_av()
     try:
         av.codec.Codec(name, mode)
-    except Exception:  # noqa: BLE001 - PyAV raises different types for unknown and unusable codecs
+    except Exception:  # PyAV raises different types for unknown and unusable codecs
         return False
     return True
 
@@ -84,7 +84,7 @@ def hardware_works(backend: VideoBackend) -> bool:
         return False
     try:
         encode_frames(np.zeros((1, 64, 64), dtype=np.uint8), backend)
-    except Exception:  # noqa: BLE001 - no device, no driver or no session: fall back to the CPU
+    except Exception:  # no device, no driver or no session: fall back to the CPU
         return False
     return True
 

@@ -53,5 +53,6 @@ class SnapKVCompressor(EvictionCompressor):
         pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
         scores = torch.full_like(attention, ALWAYS_KEEP)
         if prefix.shape[-1]:
-            scores[:, : prefix.shape[-1]] = pool(prefix, self.kernel_size, stride=1, padding=self.kernel_size // 2)[:, 0]
+            padding = self.kernel_size // 2
+            scores[:, : prefix.shape[-1]] = pool(prefix, self.kernel_size, stride=1, padding=padding)[:, 0]
         return scores

@@ -45,7 +45,8 @@ class SnapKVAgnosticCompressor(SnapKVCompressor):
         positions = observation_positions(num_context, self.window_size, keys.device)
         attention = attention_from_positions(queries[:, positions], keys[:, :num_context], positions, context.scaling)
         pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
-        scores[:, :num_context] = pool(attention[:, None], self.kernel_size, stride=1, padding=self.kernel_size // 2)[:, 0]
+        padding = self.kernel_size // 2
+        scores[:, :num_context] = pool(attention[:, None], self.kernel_size, stride=1, padding=padding)[:, 0]
         return scores
 
 

@@ -177,7 +177,9 @@ def _codebook_tensors(dim: int, bits: int, device: torch.device | str) -> tuple[
 
 
 @functools.lru_cache(maxsize=64)
-def lloyd_max_codebook(dim: int, bits: int, grid_size: int = 20001, iterations: int = 300) -> tuple[np.ndarray, np.ndarray]:
+def lloyd_max_codebook(
+    dim: int, bits: int, grid_size: int = 20001, iterations: int = 300
+) -> tuple[np.ndarray, np.ndarray]:
     """Optimal scalar quantizer for one coordinate of a uniformly random unit vector in R^dim.
 
     The coordinate's density is proportional to (1 - t^2)^((dim - 3) / 2) on [-1, 1]; Lloyd's

@@ -5,4 +5,13 @@ from kvlab.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS
 from kvlab.models.identity import model_identity
 from kvlab.models.loading import DTYPES, LoadedModel, load_model, wrap_model
 
-__all__ = ["DEFAULT_MODEL", "DTYPES", "EMBEDDED_MODELS", "LoadedModel", "ModelArchitecture", "load_model", "model_identity", "wrap_model"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "DTYPES",
+    "EMBEDDED_MODELS",
+    "LoadedModel",
+    "ModelArchitecture",
+    "load_model",
+    "model_identity",
+    "wrap_model",
+]

@@ -35,7 +35,7 @@ class AttentionStep(Protocol):
     ) -> torch.Tensor: ...
 
 
-def _kvlab_attention(
+def _kvlab_attention(  # noqa: PLR0913 - the signature transformers' AttentionInterface calls every attention function with
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -52,9 +52,13 @@ def _kvlab_attention(
     if kvlab_step is None:
         if softcap is not None:
             # SDPA has no soft-cap; transformers' own calls of a soft-capping model take the explicit path.
-            mask = attention_mask if attention_mask is None or attention_mask.dtype == torch.bool else attention_mask == 0
+            mask = (
+                attention_mask if attention_mask is None or attention_mask.dtype == torch.bool else attention_mask == 0
+            )
             return softcapped_attention(query, key, value, mask, scaling, softcap).transpose(1, 2), None
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     # [B, H, q, D] -> [B, q, H, D], the layout transformers expects back from an attention function.
     layer_idx: Any = module.layer_idx
     output = kvlab_step.attend(layer_idx, query, key, value, scaling, softcap)

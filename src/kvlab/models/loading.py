@@ -156,7 +156,9 @@ def check_device(device: str) -> None:
     if parsed.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise ConfigError(f"device {device!r}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu")
+            raise ConfigError(
+                f"device {device!r}: this machine has no CUDA device (torch {torch.__version__}); use --device cpu"
+            )
         if parsed.index is not None and parsed.index >= count:
             raise ConfigError(f"device {device!r}: only {count} CUDA device(s) here (cuda:0 to cuda:{count - 1})")
     elif parsed.type not in ("cpu", "meta"):
@@ -245,8 +247,8 @@ def _converted_gguf_dir(gguf_file: Path) -> str:
         except (ValueError, NotImplementedError) as error:
             # transformers names the GGUF architecture it cannot read ("... architecture olmo2 is not supported").
             raise ConfigError(
-                f"transformers {transformers.__version__} cannot load {gguf_file}: {str(error).rstrip('.')}; pass a transformers "
-                "model directory of the same model instead"
+                f"transformers {transformers.__version__} cannot load {gguf_file}: {str(error).rstrip('.')}; "
+                "pass a transformers model directory of the same model instead"
             ) from None
         ModelArchitecture.from_config(model.config)
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, local_files_only=True)

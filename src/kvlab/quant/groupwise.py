@@ -96,7 +96,9 @@ def dequantize(quantized: QuantizedGroups, dtype: torch.dtype = torch.float32) -
     """`zero + code * scale` of every element (computed in fp32), cast to `dtype`; the input's shape."""
     codes, length = _split_groups(quantized.codes.float(), quantized.axis, quantized.group_size)
     grouped = torch.addcmul(
-        quantized.zeros.float().unsqueeze(quantized.axis + 1), codes, quantized.scales.float().unsqueeze(quantized.axis + 1)
+        quantized.zeros.float().unsqueeze(quantized.axis + 1),
+        codes,
+        quantized.scales.float().unsqueeze(quantized.axis + 1),
     )
     return grouped.flatten(quantized.axis, quantized.axis + 1).narrow(quantized.axis, 0, length).to(dtype)
 

@@ -15,8 +15,10 @@ from kvlab.errors import ConfigError
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # (method, kind, quality, tokens/s, realized ratio) per task; made-up but shaped like real cells.
 CELLS = {
-    "squad": [("full", "full", 0.50, 20.0, 1.0), ("kivi-2", "lossy", 0.40, 12.0, 4.1), ("snapkv-50", "lossy", 0.55, 22.0, 1.9)],
-    "xsum": [("full", "full", 0.20, 21.0, 1.0), ("kivi-2", "lossy", 0.18, 11.0, 3.2), ("snapkv-50", "lossy", 0.12, 23.0, 1.8)],
+    "squad": [("full", "full", 0.50, 20.0, 1.0), ("kivi-2", "lossy", 0.40, 12.0, 4.1),
+              ("snapkv-50", "lossy", 0.55, 22.0, 1.9)],
+    "xsum": [("full", "full", 0.20, 21.0, 1.0), ("kivi-2", "lossy", 0.18, 11.0, 3.2),
+             ("snapkv-50", "lossy", 0.12, 23.0, 1.8)],
 }  # fmt: skip
 
 
@@ -46,8 +48,9 @@ def _cell(task: str, method: str, kind: str, quality: float, speed: float, ratio
 
 @pytest.fixture
 def results_folder(tmp_path: Path) -> Path:
-    write_json(tmp_path / "environment.json", {"git_revision": {"commit": "abc123", "dirty": False}, "device": "cpu",
-                                               "cpu": {"processor": "x86_64"}, "gpu": [], "packages": {"torch": "2"}})  # fmt: skip
+    environment = {"git_revision": {"commit": "abc123", "dirty": False}, "device": "cpu",
+                   "cpu": {"processor": "x86_64"}, "gpu": [], "packages": {"torch": "2"}}  # fmt: skip
+    write_json(tmp_path / "environment.json", environment)
     methods = [{"label": label} for label in ("snapkv-50", "kivi-2")]
     write_json(tmp_path / "config.json", {"samples": 4, "repeats": 1, "tasks": [{"name": "xsum"}, {"name": "squad"}],
                                           "methods": methods})  # fmt: skip

@@ -73,7 +73,7 @@ def test_labels_of_points_on_top_of_each_other_are_stacked_and_lone_points_stay_
     crowd = [(9.10, 0.185), (9.12, 0.184), (9.40, 0.184), (9.45, 0.184)]
     lone = [(5.7, 0.184), (9.5, 0.10)]
     offsets = label_offsets(crowd + lone)
-    heights = sorted(y / 0.185 * 300 + lift for (_, y), lift in zip(crowd, offsets[:4]))
+    heights = sorted(y / 0.185 * 300 + lift for (_, y), lift in zip(crowd, offsets[:4], strict=True))
     assert all(upper - lower >= 10.0 - 1e-9 for lower, upper in itertools.pairwise(heights)), heights
     assert offsets[4:] == [0.0, 0.0]
     assert label_offsets([]) == []

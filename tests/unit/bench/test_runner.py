@@ -171,7 +171,9 @@ def test_every_cell_records_the_commit_the_run_started_with(
     assert {cell["git_revision"]["commit"] for cell in cells} == {"commit-0"}
 
 
-def test_cells_of_other_code_are_never_reused(tmp_path: Path, tiny: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cells_of_other_code_are_never_reused(
+    tmp_path: Path, tiny: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = _config(tmp_path, samples=1, tasks=TASKS[:1], warmup=False)
     run_benchmark(config, loaded_models=tiny)
     monkeypatch.setattr(runner, "code_revision", lambda: "revision-b")

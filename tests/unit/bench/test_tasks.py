@@ -127,7 +127,7 @@ def test_variable_tracking_chain_is_in_the_context() -> None:
 
 
 def _real_rows(path: Path, count: int) -> list[Any]:
-    return [row for _, row in zip(range(count), read_jsonl(path))]
+    return [row for _, row in zip(range(count), read_jsonl(path), strict=False)]
 
 
 def _write_jsonl(path: Path, rows: list[Any]) -> str:
@@ -179,7 +179,9 @@ def _malformed_fixture(name: str, tmp: Path) -> tuple[dict[str, Any], int]:
     raise AssertionError(f"no malformed-row fixture for {name}")
 
 
-@pytest.mark.parametrize("name", ["hotpotqa", "squad", "xsum", "multilexsum", "imdb_fewshot", "humaneval", "bfcl", "math500"])
+@pytest.mark.parametrize(
+    "name", ["hotpotqa", "squad", "xsum", "multilexsum", "imdb_fewshot", "humaneval", "bfcl", "math500"]
+)
 def test_malformed_rows_are_skipped_and_counted(name: str, tmp_path: Path) -> None:
     params, num_malformed = _malformed_fixture(name, tmp_path)
     task = tasks.create(name, **{**TASK_PARAMS[name], **params})

@@ -39,7 +39,7 @@ def test_prefill_and_decode_logits_are_bit_identical_to_transformers(tiny_model:
     ids = _random_ids(48)
     expected = _plain_logits(tiny_model, ids, prefill=32)
     actual = _kvlab_logits(tiny_model, ids, prefill=32, capacity=capacity)
-    for step, (want, got) in enumerate(zip(expected, actual)):
+    for step, (want, got) in enumerate(zip(expected, actual, strict=True)):
         assert torch.equal(want, got), f"step {step}: max abs diff {(want - got).abs().max().item()}"
 
 
@@ -150,7 +150,7 @@ def test_prefill_in_fixed_chunks_gives_a_chunk_the_same_bits_in_any_prompt(tiny_
         prefill(tiny_model, [shared + tail], 80, chunk_tokens=16)[0]
         for tail in ([7], [9, 4, 33, 17, 60, 61, 62, 5, 6], [8] * 20)
     ]
-    for layers in zip(*(cache.layers for cache in caches)):
+    for layers in zip(*(cache.layers for cache in caches), strict=True):
         keys = [layer.keys[:, :, :48] for layer in layers]  # type: ignore[attr-defined]
         assert all(torch.equal(keys[0], other) for other in keys[1:])
 

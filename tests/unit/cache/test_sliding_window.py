@@ -43,7 +43,7 @@ def test_logits_match_transformers_past_the_window() -> None:
     cache = KVCache.allocate(loaded.architecture, 1, 40, loaded.dtype, loaded.device)
     actual = [forward(loaded.model, cache, ids[:, :20])]
     actual += [forward(loaded.model, cache, ids[:, t : t + 1]) for t in range(20, 40)]
-    for step, (want, got) in enumerate(zip(expected, actual)):
+    for step, (want, got) in enumerate(zip(expected, actual, strict=True)):
         assert torch.equal(want.argmax(-1), got.argmax(-1)), f"step {step}: argmax differs"
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"step {step}")
 

@@ -32,7 +32,7 @@ def test_entropy_coded_codes_decode_to_identical_codes(name: str, params: dict[s
     codes = [codec.quantize_chunk(chunk).codes.numpy() for chunk in chunks]
     blobs = codec.encode_code_chunks(codes)
     decoded = codec.decode_code_chunks(blobs, [c.shape for c in codes])
-    for index, (original, restored) in enumerate(zip(codes, decoded)):
+    for index, (original, restored) in enumerate(zip(codes, decoded, strict=True)):
         assert restored.dtype == original.dtype and (restored == original).all(), f"chunk {index} codes differ"
 
 

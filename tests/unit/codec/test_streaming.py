@@ -22,7 +22,9 @@ def test_streaming_decode_equals_whole_decode(name: str, params: dict[str, Any])
     whole = codec.decode(data)
     target = torch.empty_like(tensor)
     progress: list[tuple[int, int]] = []
-    restored = StreamDecoder(io.BytesIO(data)).restore(target, on_chunk=lambda done, total: progress.append((done, total)))
+    restored = StreamDecoder(io.BytesIO(data)).restore(
+        target, on_chunk=lambda done, total: progress.append((done, total))
+    )
     assert restored is target
     assert (integer_view(restored) == integer_view(whole)).all()
     assert progress == [(32, 150), (64, 150), (96, 150), (128, 150), (150, 150)]

@@ -62,7 +62,9 @@ def test_token_by_token_restore_of_the_base_coders_equals_the_whole_decode() -> 
     payload = codec.encode_chunk(chunk)
     restored = torch.empty_like(chunk)
     codec.restore_by_token(payload, restored)
-    assert torch.equal(restored.view(torch.int16), codec.decode_chunk(payload, (3, 20, 16), chunk.dtype).view(torch.int16))
+    assert torch.equal(
+        restored.view(torch.int16), codec.decode_chunk(payload, (3, 20, 16), chunk.dtype).view(torch.int16)
+    )
 
 
 def test_hardware_is_chosen_only_when_usable() -> None:

@@ -123,14 +123,17 @@ def test_cam_matches_the_reference_and_keeps_keys() -> None:
     queries, keys, values = _random_kv(seed=4)
     compressor = create_compressor("cam", budget=12, num_sinks=2, merge_span=3, window_size=5, sampling="expected")
     result = compressor.compress(keys, values, CompressionContext(queries, SCALING, 0))
-    kept, merged = ref_eviction.cam_values(queries.numpy(), keys.numpy(), values.numpy(), SCALING, 2, 12, 3, 5)
+    settings = ref_eviction.CaMSettings(num_sinks=2, budget=12, span=3, window=5)
+    kept, merged = ref_eviction.cam_values(queries.numpy(), keys.numpy(), values.numpy(), SCALING, settings)
     assert result.kept_indices.tolist() == kept.tolist()  # type: ignore[attr-defined]
     torch.testing.assert_close(result.values, torch.from_numpy(merged).float(), rtol=1e-5, atol=1e-5)  # type: ignore[attr-defined]
     assert torch.equal(result.keys[1], keys[1, result.kept_indices[1]])  # type: ignore[attr-defined]
     assert not torch.equal(result.values[0], values[0, result.kept_indices[0]]), "merging changed nothing"  # type: ignore[attr-defined]
 
 
-def test_cam_merges_alike_whether_it_visits_evicted_positions_or_every_position(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cam_merges_alike_whether_it_visits_evicted_positions_or_every_position(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from kvlab.compress import cam
 
     generator = torch.Generator().manual_seed(3)

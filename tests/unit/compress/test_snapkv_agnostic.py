@@ -30,7 +30,9 @@ def test_new_question_queries_leave_the_selection_unchanged() -> None:
     queries, keys, values = _qkv(0)
     other_question = queries.clone()
     other_question[:, -8:] = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(99))
-    assert torch.equal(_kept("snapkv_agnostic", queries, keys, values), _kept("snapkv_agnostic", other_question, keys, values))
+    assert torch.equal(
+        _kept("snapkv_agnostic", queries, keys, values), _kept("snapkv_agnostic", other_question, keys, values)
+    )
     # SnapKV itself reads exactly those queries, so the same change moves its selection.
     assert not torch.equal(_kept("snapkv", queries, keys, values), _kept("snapkv", other_question, keys, values))
 

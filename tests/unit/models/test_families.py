@@ -118,7 +118,7 @@ def test_a_restored_prefix_gives_the_logits_of_recomputation(family: Family) -> 
     recomputed, _, expected_logits = prefill(loaded, [prompt], len(prompt) + 4, chunk_tokens=CHUNK)
     assert stats.prefix_reused_tokens == 3 * CHUNK
     assert torch.equal(logits, expected_logits), f"{family.name}: logits after the restored prefix differ"
-    for index, (got, want) in enumerate(zip(restored.layers, recomputed.layers)):
+    for index, (got, want) in enumerate(zip(restored.layers, recomputed.layers, strict=True)):
         assert torch.equal(got.keys[:, :, : len(prompt)], want.keys[:, :, : len(prompt)]), f"layer {index} keys"
 
 

@@ -170,7 +170,7 @@ def task_fidelity(
     for prompt in prompts:
         reference = generate(loaded, [prompt], config, prefix=writer).requests[0].token_ids
         writer.flush()
-        for bits, resolution in zip(bits_list, resolutions):
+        for bits, resolution in zip(bits_list, resolutions, strict=True):
             reader = PrefixCache.for_model(loaded, store, PrefixConfig(chunk_tokens, write=(), fetch=(resolution,),
                                                                        allow_recompute=False))
             output = generate(loaded, [prompt], config, prefix=reader)
@@ -183,7 +183,7 @@ def task_fidelity(
     writer.close()
     count = max(len(prompts), 1)
     return [TaskFidelity(bits, resolution, len(prompts), identical[bits] / count, matched[bits] / count, reused[bits])
-            for bits, resolution in zip(bits_list, resolutions)]
+            for bits, resolution in zip(bits_list, resolutions, strict=True)]
 
 
 def rate_fidelity(
@@ -209,7 +209,7 @@ def code_bits(stats: CodecBenchStats) -> int:
 
 
 def _matched(tokens: list[int], reference: list[int]) -> int:
-    for index, (token, expected) in enumerate(zip(tokens, reference)):
+    for index, (token, expected) in enumerate(zip(tokens, reference, strict=False)):
         if token != expected:
             return index
     return min(len(tokens), len(reference))

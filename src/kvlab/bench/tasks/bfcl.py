@@ -38,7 +38,9 @@ class BFCLTask(Task):
     default_max_new_tokens: ClassVar[int] = 48
     # No stop string: small models often open a code fence or a blank line before the call.
 
-    subset: str = dataclasses.field(default="simple_python", metadata={"help": "BFCL category: " + ", ".join(CATEGORIES)})
+    subset: str = dataclasses.field(
+        default="simple_python", metadata={"help": "BFCL category: " + ", ".join(CATEGORIES)}
+    )
     data_path: str | None = dataclasses.field(default=None, metadata={"help": "questions JSONL (answers beside it)"})
     answer_path: str | None = dataclasses.field(default=None, metadata={"help": "possible-answer JSONL"})
 
@@ -119,7 +121,7 @@ def _values_equal(given: Any, expected: Any) -> bool:
     if isinstance(expected, (int, float)) and isinstance(given, (int, float)):
         return float(given) == float(expected)
     if isinstance(expected, list) and isinstance(given, (list, tuple)):
-        return len(given) == len(expected) and all(_values_equal(g, e) for g, e in zip(given, expected))
+        return len(given) == len(expected) and all(_values_equal(g, e) for g, e in zip(given, expected, strict=True))
     if isinstance(expected, dict) and isinstance(given, dict):
         return given.keys() == expected.keys() and all(
             any(_values_equal(given[k], option) for option in (v if isinstance(v, list) else [v]))

@@ -26,7 +26,8 @@ class HumanEvalTask(Task):
     The chat prompt asks for the function and the answer is opened as a Python code block (instruct
     models do not continue raw code well); the completion ends with the block. The program tested is
     the problem's prompt followed by the completion, which works whether the model wrote the body
-    alone or the whole function again (a later `def` replaces the prompt's stub). `syntax_valid` parses prompt + completion with `ast.parse`; `pass_at_1`
+    alone or the whole function again (a later `def` replaces the prompt's stub). `syntax_valid` parses
+    prompt + completion with `ast.parse`; `pass_at_1`
     runs the problem's tests on it in a separate, limited process (`kvlab.bench.execution`) with a
     timeout — generated code never runs in the benchmark process. Greedy decoding, one sample, so
     pass@1 is the fraction of problems whose single completion passes.

@@ -25,7 +25,8 @@ class MultiTurnSQuADTask(SQuADTask):
 
     The document is built as `squad` builds it (the article's paragraphs around a starting one, up to
     `context_tokens`); the questions come from different paragraphs of that document, from the
-    starting one outward (then second questions of the same paragraphs when the document is short). Turn k's prompt is the document, an instruction, questions 1..k-1 with their
+    starting one outward (then second questions of the same paragraphs when the document is short).
+    Turn k's prompt is the document, an instruction, questions 1..k-1 with their
     reference answers (as SCBench's multi-turn mode feeds the golden answers), then question k. The
     runner compresses the document once, at turn 1, and reuses it (see `kvlab.bench.multiturn`).
 

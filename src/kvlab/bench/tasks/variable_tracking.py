@@ -60,7 +60,7 @@ class VariableTrackingTask(RulerTask):
         num_noises = max((self.context_tokens - overhead) // max(count_tokens(tokenizer, NOISE + "\n"), 1), len(chain))
         sentences = [NOISE] * num_noises
         positions = sorted(rng.sample(range(num_noises), len(chain)))
-        for shift, (position, assignment) in enumerate(zip(positions, chain)):
+        for shift, (position, assignment) in enumerate(zip(positions, chain, strict=True)):
             sentences.insert(position + shift, assignment)
         context = "\n".join(sentences)
         prompt = template["template"].format(context=context, query=value)

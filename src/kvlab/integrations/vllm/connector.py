@@ -245,7 +245,9 @@ class KVLabConnector(KVConnectorBase_V1):
                 layer = layers[name]
                 variants.add((layer.attn_backend.get_name(), getattr(layer, "isa", None)))
             if len(variants) != 1:
-                raise ConfigError(f"KVLabConnector: attention layers use several page layouts {sorted(variants, key=str)}")
+                raise ConfigError(
+                    f"KVLabConnector: attention layers use several page layouts {sorted(variants, key=str)}"
+                )
             self._layout = block_layout(*variants.pop())
         return self._layout
 
@@ -290,5 +292,5 @@ class KVLabConnector(KVConnectorBase_V1):
         self._fetcher.shutdown(wait=False, cancel_futures=True)
         try:
             self.prefix.close()
-        except Exception as error:  # noqa: BLE001 - shutting down: report, never raise
+        except Exception as error:  # shutting down: report, never raise
             logger.warning("kvlab store writes did not all finish at shutdown: %s", error)

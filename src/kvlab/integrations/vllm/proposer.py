@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 from typing import Any
 
 import numpy as np
@@ -34,6 +33,7 @@ from kvlab.compress import Compressor, compressors
 from kvlab.errors import ConfigError
 from kvlab.integrations.vllm.model import served_model, transformers_model
 from kvlab.models import LoadedModel
+from kvlab.timing import Stopwatch
 
 DRAFTER_ENV = "KVLAB_VLLM_DRAFTER"
 DEFAULT_DRAFTER: dict[str, Any] = {"name": "snapkv"}
@@ -118,7 +118,7 @@ class KVLabDraftProposer:
             token_ids_cpu: [max_rows, max_model_len] token ids of each row's history.
             slot_mappings: vLLM's KV slots (unused: the draft cache is kvlab's own).
         """
-        started = time.perf_counter()
+        clock = Stopwatch(self.model.device if self.model is not None else "cpu")
         seen: list[DraftSequence] = []
         drafts: list[list[int]] = []
         for row, sampled in enumerate(sampled_token_ids):
@@ -133,7 +133,7 @@ class KVLabDraftProposer:
         idle = [sequence for sequence in self.sequences if all(sequence is not s for s in seen)]
         self.sequences = seen + idle[:_MAX_IDLE_SEQUENCES]
         self.stats.num_calls += 1
-        self.stats.total_s += time.perf_counter() - started
+        self.stats.total_s += clock.elapsed()
         return drafts
 
     def _sequence_for(self, history: np.ndarray) -> DraftSequence:
@@ -149,14 +149,14 @@ class KVLabDraftProposer:
         assert self.model is not None, "vLLM calls load_model before propose"
         model = self.model
         prompt = torch.from_numpy(history[None, :-1]).to(model.device)
-        started = time.perf_counter()
+        clock = Stopwatch(model.device)
         # All but the last token: `_draft` feeds what the cache has not consumed, as for a kept sequence.
         try:
             cache = self._prefill(prompt, self.drafter)
         except ConfigError:
             # The drafter refuses this prompt (shorter than its budget): a full cache drafts it instead.
             cache = self._prefill(prompt, None)
-        self.stats.prefill_s += time.perf_counter() - started
+        self.stats.prefill_s += clock.elapsed()
         self.stats.num_prefills += 1
         self.stats.num_prefill_tokens += len(history) - 1
         return DraftSequence(cache, history[:-1].copy())
@@ -177,20 +177,21 @@ class KVLabDraftProposer:
         model, device = self.model.model, self.model.device
         new_tokens = torch.from_numpy(history[None, len(sequence.token_ids):]).to(device)
         with torch.inference_mode():
-            started = time.perf_counter()
+            clock = Stopwatch(device)
             logits = forward(model, sequence.cache, new_tokens, logits_to_keep=1)
             drafted = [int(logits[0, -1].argmax())]
-            caught_up = time.perf_counter()
+            catch_up_s = clock.elapsed()
+            clock.restart()
             # Drafted tokens are provisional: a compressed layer never compresses what is rolled back.
             with sequence.cache.provisional():
                 for _ in range(self.num_speculative_tokens - 1):
                     step = torch.tensor([[drafted[-1]]], device=device)
                     drafted.append(int(forward(model, sequence.cache, step, logits_to_keep=1)[0, -1].argmax()))
                 sequence.cache.drop_last(self.num_speculative_tokens - 1)
-        done = time.perf_counter()
+        draft_s = clock.elapsed()
         sequence.token_ids = history.copy()
-        self.stats.catch_up_s += caught_up - started
-        self.stats.draft_s += done - caught_up
+        self.stats.catch_up_s += catch_up_s
+        self.stats.draft_s += draft_s
         self.stats.num_catch_up_tokens += new_tokens.shape[1]
         self.stats.num_draft_tokens += len(drafted)
         return drafted
