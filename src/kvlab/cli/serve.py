@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import stat
+from pathlib import Path
 
 from kvlab.cli.base import Command
 from kvlab.cli.flags import add_config_flags, given_values
+from kvlab.errors import ConfigError
 from kvlab.serve.config import ServeConfig
 
+logger = logging.getLogger(__name__)
+
 API_KEY_ENV = "KVLAB_API_KEY"
-# Flag groups of ServeConfig's fields, in the order `--help` shows them.
+# Flag groups of ServeConfig's fields, in the order `--help` shows them (the API key is no flag: a
+# command line shows in `ps`, so it comes from --api-key-file or KVLAB_API_KEY).
 GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("model", "dtype", "device"),
-    "network and access": ("host", "port", "api_key"),
-    "limits": ("max_num_seqs", "max_queued_requests", "max_prompt_tokens", "max_tokens_limit", "prefill_chunk_tokens",
-               "shutdown_timeout_s"),
+    "network and access": ("host", "port", "allowed_hosts", "allowed_origins"),
+    "limits": ("max_num_seqs", "max_queued_requests", "max_prompt_tokens", "max_tokens_limit", "max_tokens_in_system",
+               "prefill_chunk_tokens", "shutdown_timeout_s"),
     "default decoding (a request overrides it in its \"kvlab\" field)": (
         "mode", "drafter", "drafter_args", "num_draft_tokens", "draft_weights",
     ),
@@ -27,6 +34,8 @@ FLAGS = {
     "num_draft_tokens": ["--num-draft-tokens", "--draft-length"],
     "shutdown_timeout_s": ["--shutdown-timeout"],
 }
+# Flags whose values may also list several entries separated by commas.
+LISTS = ("allowed_hosts", "allowed_origins")
 
 
 class ServeCommand(Command):
@@ -37,6 +46,12 @@ class ServeCommand(Command):
             if "mode" in names:
                 group.add_argument("--lossless", action="store_const", const="lossless", dest="mode",
                                    default=argparse.SUPPRESS, help="same as --mode lossless")
+            if "host" in names:
+                group.add_argument("--api-key-file", type=Path, metavar="PATH", default=argparse.SUPPRESS,
+                                   help=f"file holding the key clients send as 'Authorization: Bearer KEY' "
+                                        f"(or set {API_KEY_ENV}); needed to bind beyond loopback")
+                # Spelled out so that it is refused by name rather than taken as an abbreviation of --api-key-file.
+                group.add_argument("--api-key", dest="api_key_given", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
     def run(self, args: argparse.Namespace) -> int:
         config = config_from_args(args)
@@ -46,8 +61,42 @@ class ServeCommand(Command):
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    """The server's settings from the flags given (the API key may come from KVLAB_API_KEY)."""
+    """The server's settings from the flags given; the API key from --api-key-file or KVLAB_API_KEY.
+
+    Raises:
+        ConfigError: A key was given on the command line, the key file cannot be read or is empty, or a
+            setting is out of range.
+    """
+    if hasattr(args, "api_key_given"):
+        raise ConfigError(
+            f"--api-key is refused: a command line is visible to every user of the machine (ps); "
+            f"put the key in a file only you can read and pass --api-key-file PATH, or set {API_KEY_ENV}"
+        )
     values = given_values(args, ServeConfig, FIELDS)
-    if "api_key" not in values and os.environ.get(API_KEY_ENV):
+    for name in LISTS:
+        if name in values:
+            values[name] = tuple(part.strip() for value in values[name] for part in value.split(",") if part.strip())
+    if hasattr(args, "api_key_file"):
+        values["api_key"] = read_api_key(args.api_key_file)
+    elif os.environ.get(API_KEY_ENV):
         values["api_key"] = os.environ[API_KEY_ENV]
     return ServeConfig(**values)
+
+
+def read_api_key(path: Path) -> str:
+    """The key in `path` (surrounding whitespace dropped); warns when others than its owner may read it.
+
+    Raises:
+        ConfigError: The file cannot be read, or holds no key.
+    """
+    try:
+        mode = path.stat().st_mode
+        key = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read the API key file {path}: {error}") from None
+    if not key:
+        raise ConfigError(f"the API key file {path} is empty")
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
+        logger.warning("the API key file %s is readable by other users (mode %o); restrict it with chmod 600 %s",
+                       path, stat.S_IMODE(mode), path)
+    return key

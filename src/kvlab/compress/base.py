@@ -20,11 +20,18 @@ from typing import ClassVar
 
 import torch
 
+from kvlab.errors import ConfigError
 from kvlab.registry import Registry, to_dict
 
 compressors: Registry[Compressor] = Registry("compressor")
 
 FP16_BYTES = 2
+# Bounds of integer hyper-parameters, so that no parameter (a server request's `drafter_args`
+# included) asks for work or memory without limit: token counts (budgets, windows, spans, sinks,
+# groups), pooling kernels and seeds.
+MAX_TOKENS = 1 << 24
+MAX_KERNEL_SIZE = 1023
+MAX_SEED = (1 << 32) - 1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,6 +86,16 @@ class Compressor(abc.ABC):
     def to_dict(self) -> dict[str, object]:
         """`{"name": key, **parameters}`; `compressors.from_dict` rebuilds the method."""
         return to_dict(self)
+
+    def check_prompt(self, num_tokens: int) -> None:  # noqa: B027 - a hook: most methods take any prompt
+        """Raise ConfigError if these parameters cannot compress a prompt of `num_tokens` tokens (a
+        budget larger than the prompt), so that a server refuses such a request before it runs."""
+
+
+def check_range(name: str, value: int, low: int, high: int) -> None:
+    """Raise ConfigError, naming the parameter, unless `low <= value <= high`."""
+    if not low <= value <= high:
+        raise ConfigError(f"{name} must be in {low}..{high}, got {value}")
 
 
 def full_kv_nbytes(num_tokens: int, num_kv_heads: int, head_dim: int) -> int:

@@ -7,10 +7,9 @@ from typing import ClassVar, Literal
 
 import torch
 
-from kvlab.compress.base import CompressionContext, compressors
+from kvlab.compress.base import MAX_SEED, MAX_TOKENS, CompressionContext, check_range, compressors
 from kvlab.compress.eviction import require_queries, sinks_and_recent_scores, window_attention_sum
 from kvlab.compress.merging import MergingCompressor
-from kvlab.errors import ConfigError
 
 
 @compressors.register("cam")
@@ -49,10 +48,10 @@ class CaMCompressor(MergingCompressor):
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("merge_span", "window_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.num_sinks < 0:
-            raise ConfigError(f"num_sinks must be >= 0, got {self.num_sinks}")
+            check_range(name, getattr(self, name), 1, MAX_TOKENS)
+        check_range("num_sinks", self.num_sinks, 0, MAX_TOKENS)
+        # The Bernoulli generator is seeded with seed * 100_003 + layer, which must stay a 64-bit integer.
+        check_range("seed", self.seed, 0, MAX_SEED)
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
         return sinks_and_recent_scores(keys, self.num_sinks)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kvlab.compress.base import FP16_BYTES, CompressedKV, CompressionContext, Compressor
+from kvlab.compress.base import FP16_BYTES, MAX_TOKENS, CompressedKV, CompressionContext, Compressor, check_range
 from kvlab.errors import ConfigError
 
 INDEX_BYTES = 4
@@ -63,8 +63,11 @@ class EvictionCompressor(Compressor):
             self.compression_ratio = 0.5
         if self.compression_ratio is not None and not 0 <= self.compression_ratio < 1:
             raise ConfigError(f"compression_ratio must be in [0, 1), got {self.compression_ratio}")
-        if self.budget is not None and self.budget < 1:
-            raise ConfigError(f"budget must be at least 1 token, got {self.budget}")
+        if self.budget is not None:
+            check_range("budget", self.budget, 1, MAX_TOKENS)
+
+    def check_prompt(self, num_tokens: int) -> None:
+        self.num_kept(num_tokens)
 
     def num_kept(self, num_tokens: int) -> int:
         """Tokens kept per KV head out of a prompt of `num_tokens`."""

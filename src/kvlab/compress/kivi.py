@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from kvlab.compress.base import FP16_BYTES, compressors
+from kvlab.compress.base import FP16_BYTES, MAX_TOKENS, check_range, compressors
 from kvlab.compress.quantization import (
     FULL_PRECISION_BITS,
     QuantizationCompressor,
@@ -15,7 +15,6 @@ from kvlab.compress.quantization import (
     pack_code_tensor,
     unpack_code_tensor,
 )
-from kvlab.errors import ConfigError
 from kvlab.quant.groupwise import QuantizedGroups, dequantize, quantize
 from kvlab.quant.packing import packed_nbytes
 
@@ -83,8 +82,8 @@ class KIVICompressor(QuantizationCompressor):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.group_size < 1:
-            raise ConfigError(f"group_size must be at least 1, got {self.group_size}")
+        check_range("group_size", self.group_size, 1, MAX_TOKENS)
+        check_range("residual_length", self.residual_length, 0, MAX_TOKENS)
 
     @property
     def flush_size(self) -> int:

@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 import torch
 import torch.nn.functional as F
 
-from kvlab.compress.base import CompressionContext, compressors
+from kvlab.compress.base import MAX_KERNEL_SIZE, MAX_TOKENS, CompressionContext, check_range, compressors
 from kvlab.compress.eviction import ALWAYS_KEEP, EvictionCompressor, require_queries, window_attention_sum
 from kvlab.errors import ConfigError
 
@@ -39,10 +39,9 @@ class SnapKVCompressor(EvictionCompressor):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.window_size < 1:
-            raise ConfigError(f"window_size must be at least 1, got {self.window_size}")
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ConfigError(f"kernel_size must be a positive odd number, got {self.kernel_size}")
+        check_range("window_size", self.window_size, 1, MAX_TOKENS)
+        if not 1 <= self.kernel_size <= MAX_KERNEL_SIZE or self.kernel_size % 2 == 0:
+            raise ConfigError(f"kernel_size must be an odd number in 1..{MAX_KERNEL_SIZE}, got {self.kernel_size}")
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
         queries = require_queries(context, "snapkv")

@@ -6,9 +6,8 @@ import dataclasses
 
 import torch
 
-from kvlab.compress.base import CompressionContext, compressors
+from kvlab.compress.base import MAX_TOKENS, CompressionContext, check_range, compressors
 from kvlab.compress.eviction import EvictionCompressor, sinks_and_recent_scores
-from kvlab.errors import ConfigError
 
 
 @compressors.register("streamingllm")
@@ -30,8 +29,7 @@ class StreamingLLMCompressor(EvictionCompressor):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.num_sinks < 0:
-            raise ConfigError(f"num_sinks must be >= 0, got {self.num_sinks}")
+        check_range("num_sinks", self.num_sinks, 0, MAX_TOKENS)
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, context: CompressionContext) -> torch.Tensor:
         return sinks_and_recent_scores(keys, self.num_sinks)

@@ -3,6 +3,14 @@
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both stream with server-sent events),
 `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus) and `GET /` (the playground page).
 With an API key, the `/v1` routes need `Authorization: Bearer KEY`, compared in constant time.
+
+Who may talk to the server (`AccessGuard`, before any route): a request whose `Host` is not one the
+server answers to is refused (400: DNS rebinding), and one whose `Origin` is neither the server's
+own nor an allowed origin is refused (403: another web page driving it). Only allowed origins get
+CORS headers and preflight answers. POST bodies must be `application/json` (415 otherwise, so no
+HTML form can send one), are counted as they arrive (413 past `MAX_BODY_BYTES`) and parsed within
+the bounds of `kvlab.serve.protocol`. Each admitted request holds its prompt + max_tokens against
+`max_tokens_in_system` until it ends (429 past it).
 """
 
 from __future__ import annotations
@@ -14,36 +22,41 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvlab.errors import ConfigError
 from kvlab.generation.text import TextDeltas
 from kvlab.lossless.config import LosslessConfig
-from kvlab.serve.config import ServeConfig
+from kvlab.serve.config import AccessPolicy, ServeConfig
 from kvlab.serve.engine import EngineClosedError, ServeEngine, ServerBusyError
 from kvlab.serve.metrics import CONTENT_TYPE
-from kvlab.serve.options import resolve
+from kvlab.serve.options import ResolvedRequest, TokenBudget, resolve
 from kvlab.serve.page import PAGE
 from kvlab.serve.protocol import (
+    MAX_BODY_BYTES,
+    BodyError,
     ChatCompletionRequest,
     CompletionRequest,
     chunk_body,
     completion_body,
     error_body,
+    is_json_media_type,
+    parse_body,
     usage,
 )
 from kvlab.serve.request import Event, FailedEvent, FinishedEvent, RequestStats, ServeRequest, TokensEvent
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 16 << 20
 # How often a non-streamed request checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
 
@@ -56,18 +69,25 @@ class APIError(Exception):
         self.status, self.message, self.kind, self.code = status, message, kind, code
 
 
-def create_app(engine: ServeEngine, config: ServeConfig, default_lossless: LosslessConfig) -> FastAPI:
-    """The ASGI app; shutting it down (lifespan end) shuts the engine down."""
+def create_app(
+    engine: ServeEngine, config: ServeConfig, default_lossless: LosslessConfig,
+    shutdown: Callable[[float], None] | None = None,
+) -> FastAPI:
+    """The ASGI app; its end (lifespan shutdown) calls `shutdown(0.0)`, `engine.shutdown` by default
+    (`kvlab.serve.server.Drain` when a SIGTERM may have drained the engine already)."""
     model_name = engine.loaded.name
     created = int(time.time())
+    end = shutdown or engine.shutdown
+    completion = CompletionRoute(engine, config, default_lossless)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        # Uvicorn has let open requests finish for `shutdown_timeout_s`; cancel what is left.
-        await run_in_threadpool(engine.shutdown, 0.0)
+        # After a SIGTERM the drain has already run (this waits for it); otherwise cancel what is left.
+        await run_in_threadpool(end, 0.0)
 
     app = FastAPI(title="kvlab", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.add_middleware(AccessGuard, config=config)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -77,26 +97,18 @@ def create_app(engine: ServeEngine, config: ServeConfig, default_lossless: Lossl
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(error.detail), "invalid_request_error"), status_code=error.status_code)
 
-    def check_key(request: Request) -> None:
-        if config.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        expected = config.api_key.encode()
-        # compare_digest on equal-length inputs: the time does not depend on where they differ.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
-
     @app.get("/", response_class=HTMLResponse)
     async def page() -> HTMLResponse:
         return HTMLResponse(PAGE.replace("{{MODEL}}", model_name).replace("{{MODE}}", config.mode))
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.failure is not None or not engine.healthy:
+        if engine.failure is not None:
             return JSONResponse({"status": "engine failed", "error": engine.failure}, status_code=503)
-        if engine.closing:
+        if engine.closing:  # draining after SIGTERM: the server still answers, and says so
             return JSONResponse({"status": "shutting down"}, status_code=503)
+        if not engine.healthy:
+            return JSONResponse({"status": "engine failed", "error": None}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -105,56 +117,104 @@ def create_app(engine: ServeEngine, config: ServeConfig, default_lossless: Lossl
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
-        check_key(request)
+        _check_key(config, request)
         entry = {"id": model_name, "object": "model", "created": created, "owned_by": "kvlab"}
         return JSONResponse({"object": "list", "data": [entry]})
 
-    async def serve(request: Request, chat: bool) -> Response:
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await completion(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await completion(request, chat=True)
+
+    return app
+
+
+def _check_key(config: ServeConfig, request: Request) -> None:
+    if config.api_key is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    # compare_digest: the time does not depend on where the key and the guess differ.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), config.api_key.encode()):
+        raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
+
+
+class CompletionRoute:
+    """`POST /v1/completions` and `/v1/chat/completions`: check, parse, resolve, hold the request's tokens,
+    submit it, then reply whole or as a stream."""
+
+    def __init__(self, engine: ServeEngine, config: ServeConfig, default_lossless: LosslessConfig) -> None:
+        self.engine, self.config, self.default_lossless = engine, config, default_lossless
+        self.budget = TokenBudget(config.max_tokens_in_system, engine.metrics.tokens_in_system)
+
+    async def __call__(self, request: Request, chat: bool) -> Response:
         arrival_s = time.perf_counter()  # latencies count tokenization and validation too
-        check_key(request)
-        body = await _parse(request, ChatCompletionRequest if chat else CompletionRequest)
-        if body.model is not None and body.model != model_name:
-            raise APIError(404, f"model {body.model!r} is not served here; this server serves {model_name!r}", code="model_not_found")
+        _check_key(self.config, request)
+        body = await self._body(request, ChatCompletionRequest if chat else CompletionRequest)
         try:
-            resolved = await run_in_threadpool(resolve, body, engine.loaded, config, default_lossless)
+            resolved = await run_in_threadpool(resolve, body, self.engine.loaded, self.config, self.default_lossless)
         except ConfigError as error:
             raise APIError(400, str(error)) from None
+        try:
+            release = self.budget.take(resolved.num_tokens)
+        except ServerBusyError as error:
+            self.engine.metrics.failed("tokens_full")
+            raise APIError(429, str(error), "rate_limit_error", code="tokens_full") from None
+        events, cancel = self._submit(resolved, release, arrival_s)
+        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.engine.loaded.name, chat,
+                      body.include_usage)
+        deltas = TextDeltas(self.engine.loaded.decode, resolved.config.stop_strings)
+        if body.stream:
+            return StreamingResponse(
+                _stream(self.engine, cancel, events, reply, deltas), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await _complete(self.engine, cancel, events, reply, request)
+
+    async def _body(self, request: Request, model: type[CompletionRequest | ChatCompletionRequest]) -> Any:
+        if not is_json_media_type(request.headers.get("content-type")):
+            raise APIError(415, "send the body as JSON, with 'Content-Type: application/json'",
+                           code="unsupported_media_type")
+        raw = await _read_body(request)
+        body = await run_in_threadpool(_parse, raw, model)
+        name = self.engine.loaded.name
+        if body.model is not None and body.model != name:
+            raise APIError(404, f"model {body.model!r} is not served here; this server serves {name!r}",
+                           code="model_not_found")
+        return body
+
+    def _submit(
+        self, resolved: ResolvedRequest, release: Callable[[], None], arrival_s: float
+    ) -> tuple[asyncio.Queue[Event], Callable[[], None]]:
+        """Queue the request; returns its events and what cancels it. Its tokens go back when it ends."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 
         def sink(event: Event) -> None:
-            try:
+            if isinstance(event, (FinishedEvent, FailedEvent)):
+                release()
+            with contextlib.suppress(RuntimeError):  # the event loop is gone (server stopped): nobody listens
                 loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the event loop is gone (server stopped): nobody is listening
-                pass
 
         job = ServeRequest(resolved.prompt, resolved.config, resolved.mode, resolved.compressor, resolved.lossless,
                            resolved.cache_salt, sink, arrival_s=arrival_s)
+
+        def cancel() -> None:  # the engine sends a cancelled request no further events
+            self.engine.cancel(job)
+            release()
+
         try:
-            engine.submit(job)
+            self.engine.submit(job)
         except ServerBusyError as error:
-            engine.metrics.failed("queue_full")
+            release()
+            self.engine.metrics.failed("queue_full")
             raise APIError(429, str(error), "rate_limit_error", code="queue_full") from None
         except EngineClosedError as error:
+            release()
             raise APIError(503, str(error), "server_error", code="shutting_down") from None
-        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model_name, chat, body.include_usage)
-        deltas = TextDeltas(engine.loaded.decode, resolved.config.stop_strings)
-        if body.stream:
-            return StreamingResponse(
-                _stream(engine, job, events, reply, deltas), media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        return await _complete(engine, job, events, reply, request)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await serve(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await serve(request, chat=True)
-
-    return app
+        return events, cancel
 
 
 class Reply:
@@ -171,16 +231,27 @@ class Reply:
         return chunk
 
 
-async def _parse(request: Request, model: type[CompletionRequest | ChatCompletionRequest]) -> Any:
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES >> 20} MiB")
+async def _read_body(request: Request) -> bytes:
+    """The body, refused with 413 as soon as it is known to pass `MAX_BODY_BYTES` (declared or counted)."""
+    too_large = APIError(413, f"the request body exceeds {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():  # chunked bodies too: counted as they arrive, never held past the limit
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse(raw: bytes, model: type[CompletionRequest | ChatCompletionRequest]) -> Any:
+    """The validated body (run off the event loop: a large body takes a while to parse)."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise APIError(400, f"the body is not valid JSON: {error}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the body must be a JSON object")
+        data = parse_body(raw)
+    except BodyError as error:
+        raise APIError(400, str(error)) from None
     try:
         return model.model_validate(data)
     except ValidationError as error:
@@ -200,8 +271,15 @@ def _usage(stats: RequestStats) -> dict[str, Any]:
     return usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
 
 
+def _failure(engine: ServeEngine, event: FailedEvent) -> APIError:
+    """A failed request's error: 503 when the shutdown timeout cut it, 500 when it failed (logged by the engine)."""
+    if engine.closing and engine.failure is None:
+        return APIError(503, event.message, "server_error", code="shutting_down")
+    return APIError(500, event.message, "server_error")
+
+
 async def _complete(
-    engine: ServeEngine, job: ServeRequest, events: asyncio.Queue[Event], reply: Reply, request: Request
+    engine: ServeEngine, cancel: Callable[[], None], events: asyncio.Queue[Event], reply: Reply, request: Request
 ) -> Response:
     """Wait for the whole reply; a client that goes away cancels the request."""
     try:
@@ -210,23 +288,23 @@ async def _complete(
                 event = await asyncio.wait_for(events.get(), timeout=DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    engine.cancel(job)
+                    cancel()
                     return Response(status_code=499)
                 continue
             if isinstance(event, FailedEvent):
-                raise APIError(500, event.message, "server_error")
+                raise _failure(engine, event)
             if isinstance(event, FinishedEvent):
                 body = completion_body(reply.id, reply.model, reply.chat, event.output.text, _finish_reason(event))
                 body["usage"] = _usage(event.stats)
                 body["kvlab"] = event.stats.to_dict()
                 return JSONResponse(body)
     except asyncio.CancelledError:
-        engine.cancel(job)
+        cancel()
         raise
 
 
 async def _stream(
-    engine: ServeEngine, job: ServeRequest, events: asyncio.Queue[Event], reply: Reply, deltas: TextDeltas
+    engine: ServeEngine, cancel: Callable[[], None], events: asyncio.Queue[Event], reply: Reply, deltas: TextDeltas
 ) -> AsyncIterator[str]:
     """Server-sent events; the generator is closed when the client disconnects, which cancels the request."""
     finished, num_tokens = False, 0
@@ -245,7 +323,8 @@ async def _stream(
                 continue
             finished = True
             if isinstance(event, FailedEvent):
-                yield _sse(error_body(event.message, "server_error"))
+                error = _failure(engine, event)
+                yield _sse(error_body(error.message, error.kind, code=error.code))
                 break
             assert isinstance(event, FinishedEvent)
             last = reply.chunk(deltas.finish(event.output.text), _finish_reason(event))
@@ -259,8 +338,62 @@ async def _stream(
         yield "data: [DONE]\n\n"
     finally:
         if not finished:
-            engine.cancel(job)
+            cancel()
 
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class AccessGuard:
+    """ASGI middleware: answer only requests for a Host the server answers to, from its own pages or an
+    allowed origin (`AccessPolicy`); CORS headers and preflight answers go to allowed origins alone."""
+
+    def __init__(self, app: ASGIApp, config: ServeConfig) -> None:
+        self.app, self.policy, self.port = app, AccessPolicy.of(config), config.port
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        host = headers.get("host", "").strip().lower()
+        server = scope.get("server")  # the port the connection came in on (port 0 is known only then)
+        if not self.policy.allows_host(host, int(server[1]) if server and server[1] is not None else self.port):
+            message = (f"this server does not answer to Host {host[:100]!r}; "
+                       "start it with --allowed-hosts NAME[:PORT] to add that name")
+            await _send_error(send, 400, message, "invalid_host")
+            return
+        origin = headers.get("origin")
+        if origin is None or AccessPolicy.is_own_origin(origin, host):
+            await self.app(scope, receive, send)  # not from a web page, or from one the server served
+            return
+        if not self.policy.allows_origin(origin):
+            message = (f"requests from pages of {origin[:100]!r} are refused; "
+                       "start the server with --allowed-origins ORIGIN to allow them")
+            await _send_error(send, 403, message, "origin_not_allowed")
+            return
+        cors = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+        if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
+            allowed = headers.get("access-control-request-headers") or "authorization, content-type"
+            await send({"type": "http.response.start", "status": 204, "headers": [
+                *cors, (b"access-control-allow-methods", b"GET, POST"),
+                (b"access-control-allow-headers", allowed.encode("latin-1")), (b"access-control-max-age", b"600"),
+            ]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+
+        async def send_with_cors(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *cors]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cors)
+
+
+async def _send_error(send: Send, status: int, message: str, code: str) -> None:
+    body = json.dumps(error_body(message, "invalid_request_error", code=code)).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+    ]})
+    await send({"type": "http.response.body", "body": body})

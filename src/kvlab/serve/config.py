@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import urllib.parse
 from typing import Literal
 
 from kvlab.errors import ConfigError
@@ -13,6 +14,9 @@ MODES: tuple[Mode, ...] = ("plain", "lossy", "lossless")
 # kvlab.models.DTYPES and DraftWeights, spelled out so that `kvlab serve --help` loads no torch.
 Dtype = Literal["float32", "bfloat16", "float16"]
 DraftWeightsName = Literal["same", "bf16", "int8"]
+# The names a browser on this machine uses for a server bound to loopback.
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+ANY = "*"
 
 
 def _help(text: str) -> dict[str, str]:
@@ -27,13 +31,31 @@ class ServeConfig:
     touches files, URLs or limits is the operator's alone.
     """
 
-    model: str | None = dataclasses.field(default=None, metadata=_help("embedded alias, .gguf file, model dir or cached hub id (default: the embedded model)"))
+    model: str | None = dataclasses.field(
+        default=None,
+        metadata=_help("embedded alias, .gguf file, model dir or cached hub id (default: the embedded model)"),
+    )
     dtype: Dtype = dataclasses.field(default="float32", metadata=_help("weights and KV dtype"))
     device: str = dataclasses.field(default="cpu", metadata=_help("torch device"))
-    host: str = dataclasses.field(default="127.0.0.1", metadata=_help("address to bind (other than loopback needs --api-key)"))
+    host: str = dataclasses.field(
+        default="127.0.0.1", metadata=_help("address to bind (beyond loopback needs --api-key-file or KVLAB_API_KEY)")
+    )
     port: int = dataclasses.field(default=8000, metadata=_help("TCP port (0: any free port)"))
+    # Never a flag (a command line shows in `ps`): `kvlab serve` reads it from --api-key-file or KVLAB_API_KEY.
     api_key: str | None = dataclasses.field(
-        default=None, metadata=_help("key clients send as 'Authorization: Bearer KEY' (or KVLAB_API_KEY)")
+        default=None, repr=False, metadata=_help("key clients send as 'Authorization: Bearer KEY'")
+    )
+    allowed_hosts: tuple[str, ...] = dataclasses.field(
+        default=(), metadata=_help(
+            "Host header values answered, NAME or NAME:PORT, * for any (default: 127.0.0.1, localhost and [::1] "
+            "with the port when bound to loopback, the bound address otherwise, any when bound to 0.0.0.0 or ::)"
+        )
+    )
+    allowed_origins: tuple[str, ...] = dataclasses.field(
+        default=(), metadata=_help(
+            "web origins (scheme://host[:port], * for any) whose pages may call the API, with CORS headers "
+            "(default: only pages the server itself serves)"
+        )
     )
     max_num_seqs: int = dataclasses.field(default=8, metadata=_help("requests decoded at once (the running batch)"))
     max_queued_requests: int = dataclasses.field(
@@ -45,18 +67,28 @@ class ServeConfig:
     max_tokens_limit: int = dataclasses.field(
         default=2048, metadata=_help("largest max_tokens a request may ask for (and chat's default)")
     )
+    max_tokens_in_system: int = dataclasses.field(
+        default=1 << 17, metadata=_help(
+            "prompt + max_tokens summed over the requests running and queued, which bounds KV memory; "
+            "past it requests are refused with 429"
+        )
+    )
     prefill_chunk_tokens: int = dataclasses.field(
         default=512, metadata=_help("prompt tokens prefilled per forward; decoding continues between them")
     )
     mode: Mode = dataclasses.field(default="plain", metadata=_help("default decoding mode: plain, lossy or lossless"))
-    drafter: str = dataclasses.field(default="snapkv", metadata=_help("default compressor (drafts in lossless, decodes in lossy)"))
+    drafter: str = dataclasses.field(
+        default="snapkv", metadata=_help("default compressor (drafts in lossless, decodes in lossy)")
+    )
     drafter_args: tuple[str, ...] = dataclasses.field(
         default=(), metadata=_help("default drafter parameter KEY=VALUE")
     )
     num_draft_tokens: int | Literal["auto"] = dataclasses.field(
         default="auto", metadata=_help("default draft length, or auto (adapted per sequence)")
     )
-    draft_weights: DraftWeightsName = dataclasses.field(default="same", metadata=_help("draft with the model (same) or a bf16/int8 copy"))
+    draft_weights: DraftWeightsName = dataclasses.field(
+        default="same", metadata=_help("draft with the model (same) or a bf16/int8 copy")
+    )
     prefix_store: str | None = dataclasses.field(
         default=None, metadata=_help("prefix store URL (memory://, file:///dir, redis://host:port/db)")
     )
@@ -64,7 +96,8 @@ class ServeConfig:
     fetch_workers: int = dataclasses.field(default=2, metadata=_help("prefix lookups and fetches run at once"))
     max_cache_salts: int = dataclasses.field(default=64, metadata=_help("distinct cache salts kept open at once"))
     shutdown_timeout_s: float = dataclasses.field(
-        default=30.0, metadata=_help("on SIGTERM, seconds running requests may take to finish before they are cancelled")
+        default=30.0,
+        metadata=_help("on SIGTERM, seconds requests in the system may take to finish before they are ended"),
     )
 
     def __post_init__(self) -> None:
@@ -77,13 +110,13 @@ class ServeConfig:
             "prefix_chunk_tokens": self.prefix_chunk_tokens,
             "fetch_workers": self.fetch_workers,
             "max_cache_salts": self.max_cache_salts,
+            "max_tokens_in_system": self.max_tokens_in_system,
         }
         for name, value in positive.items():
             if value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}")
-        if self.num_draft_tokens != "auto" and (
-            not isinstance(self.num_draft_tokens, int) or isinstance(self.num_draft_tokens, bool) or self.num_draft_tokens < 1
-        ):
+        draft = self.num_draft_tokens
+        if draft != "auto" and (not isinstance(draft, int) or isinstance(draft, bool) or draft < 1):
             raise ConfigError(f"num_draft_tokens must be a positive integer or 'auto', got {self.num_draft_tokens!r}")
         if self.max_queued_requests < 0:
             raise ConfigError(f"max_queued_requests must be at least 0, got {self.max_queued_requests}")
@@ -97,9 +130,97 @@ class ServeConfig:
             raise ConfigError("the API key must not be empty")
         if not is_loopback(self.host) and self.api_key is None:
             raise ConfigError(
-                f"binding {self.host} exposes the server beyond this machine: set --api-key (or KVLAB_API_KEY), "
-                "or bind 127.0.0.1"
+                f"binding {self.host} exposes the server beyond this machine: give a key with --api-key-file PATH "
+                "(or KVLAB_API_KEY), or bind 127.0.0.1"
             )
+        for host in self.allowed_hosts:
+            if host != ANY and (not host or any(c in host for c in "/@ \t,") or host != host.strip()):
+                raise ConfigError(f"allowed host {host!r} must be NAME or NAME:PORT (e.g. example.org:8000), or *")
+        for origin in self.allowed_origins:
+            if origin != ANY and normalized_origin(origin) is None:
+                raise ConfigError(
+                    f"allowed origin {origin!r} must be scheme://host[:port] (e.g. https://example.org), or *"
+                )
+
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AccessPolicy:
+    """Which `Host` and `Origin` headers the server answers (`kvlab.serve.app.AccessGuard` applies it).
+
+    Attributes:
+        hosts: Names answered, `NAME` or `NAME:PORT` (`*`: any).
+        on_bound_port: `hosts` are the defaults, answered only with the port the connection came in on
+            (port 80 may go unnamed): the loopback names when bound to loopback, the bound address
+            otherwise, any name when bound to a wildcard address (whose API key guards it).
+        origins: Other web origins whose pages may call the server, normalized (`*`: any).
+    """
+
+    hosts: frozenset[str]
+    on_bound_port: bool
+    origins: frozenset[str]
+
+    @classmethod
+    def of(cls, config: ServeConfig) -> AccessPolicy:
+        origins = frozenset(o if o == ANY else normalized_origin(o) or o for o in config.allowed_origins)
+        if config.allowed_hosts:
+            return cls(frozenset(host.lower() for host in config.allowed_hosts), False, origins)
+        if config.host in ("0.0.0.0", "::", ""):
+            return cls(frozenset({ANY}), False, origins)
+        bound = f"[{config.host.strip('[]')}]" if ":" in config.host else config.host
+        names = LOOPBACK_NAMES if is_loopback(config.host) else ()
+        return cls(frozenset({*names, bound.lower()}), True, origins)
+
+    def allows_host(self, host: str, port: int) -> bool:
+        """Whether to answer a request whose `Host` header is `host`, received on `port`."""
+        if ANY in self.hosts:
+            return True
+        name, given_port = split_host(host)
+        if given_port == -1:
+            return False
+        if self.on_bound_port:
+            return name in self.hosts and (given_port == port or (given_port is None and port == 80))
+        return name in self.hosts or f"{name}:{given_port}" in self.hosts
+
+    def allows_origin(self, origin: str) -> bool:
+        """Whether pages of `origin`, another than the server's own, may call it (with CORS headers)."""
+        return ANY in self.origins or normalized_origin(origin) in self.origins
+
+    @staticmethod
+    def is_own_origin(origin: str, host: str) -> bool:
+        """Whether `origin` is the server itself, as the (already allowed) `host` names it."""
+        return normalized_origin(origin) in (f"http://{host}", f"https://{host}")
+
+
+def split_host(host: str) -> tuple[str, int | None]:
+    """`(name, port)` of a Host header (`[::1]:8000` -> `("[::1]", 8000)`): port None when absent, -1
+    when malformed."""
+    if host.startswith("["):
+        end = host.find("]")
+        if end < 0:
+            return host, -1
+        name, rest = host[: end + 1], host[end + 1 :]
+    else:
+        name, colon, port = host.partition(":")
+        rest = colon + port
+    if not rest:
+        return name, None
+    digits = rest[1:]
+    return (name, int(digits)) if rest[0] == ":" and digits.isdigit() and len(digits) <= 5 else (name, -1)
+
+
+def normalized_origin(origin: str) -> str | None:
+    """`scheme://host[:port]` in lower case, or None when `origin` is not of that form (paths, users...)."""
+    try:
+        parts = urllib.parse.urlsplit(origin.strip())
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query or parts.fragment:
+        return None
+    if parts.username is not None or parts.password is not None:
+        return None
+    return f"{parts.scheme}://{parts.netloc}".lower()
 
 
 def is_loopback(host: str) -> bool:

@@ -9,8 +9,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # Seconds; as vLLM's buckets, from a cached short prompt to a long CPU prefill.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5,
+)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -36,10 +41,15 @@ class ServeMetrics:
 
         self.running = gauge("kvlab:num_requests_running", "Requests prefilling or decoding.")
         self.waiting = gauge("kvlab:num_requests_waiting", "Requests queued for a slot (prefix fetches included).")
+        self.tokens_in_system = gauge(
+            "kvlab:num_tokens_in_system", "Prompt + max_tokens of the requests running and queued."
+        )
         self.fetching = gauge("kvlab:num_requests_fetching", "Requests whose prefix is being looked up or fetched.")
         self.prompt_tokens = counter("kvlab:prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("kvlab:generation_tokens", "Generated tokens.")
-        self.prefix_fetched_tokens = counter("kvlab:prefix_fetched_tokens", "Prompt tokens restored from the prefix store.")
+        self.prefix_fetched_tokens = counter(
+            "kvlab:prefix_fetched_tokens", "Prompt tokens restored from the prefix store."
+        )
         self.prefix_recomputed_tokens = counter("kvlab:prefix_recomputed_tokens", "Prompt tokens computed by prefill.")
         self.num_draft_tokens = counter("kvlab:spec_decode_num_draft_tokens", "Tokens drafted (lossless mode).")
         self.num_accepted_tokens = counter("kvlab:spec_decode_num_accepted_tokens", "Drafted tokens accepted.")
@@ -55,7 +65,8 @@ class ServeMetrics:
             "kvlab:request_success", "Finished requests.", ["model_name", "finished_reason"], registry=registry
         )
         self._failure = Counter(
-            "kvlab:request_failure", "Requests refused, cancelled or failed.", ["model_name", "reason"], registry=registry
+            "kvlab:request_failure", "Requests refused, cancelled or failed.", ["model_name", "reason"],
+            registry=registry,
         )
 
     def finished(self, reason: str) -> None:

@@ -4,10 +4,16 @@ Requests carry kvlab's own options in one field, `"kvlab": {...}` (`extra_body={
 the openai client). Fields of the OpenAI API that kvlab does not implement are accepted only at their
 neutral value (e.g. `n=1`, `presence_penalty=0`), so no request is silently served differently from
 what it asked for.
+
+A body is parsed within fixed bounds before pydantic sees it (`parse_body`): UTF-8 JSON of at most
+`MAX_BODY_BYTES`, an object nested at most `MAX_JSON_DEPTH` deep, integers of at most `MAX_INT_DIGITS`
+digits and finite numbers only; every string and list pydantic then builds is bounded too.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from typing import Any, Literal
 
@@ -16,7 +22,87 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kvlab.serve.config import Mode
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_STOP_CHARS = 1024
 MAX_SALT_CHARS = 256
+MAX_BODY_BYTES = 16 << 20
+# The deepest valid body nests 5 levels (body > messages > message > content > part).
+MAX_JSON_DEPTH = 32
+# Every 64-bit integer fits (2**64 has 20 digits); longer ones cost quadratic time to convert.
+MAX_INT_DIGITS = 20
+MAX_CHAT_MESSAGES = 2048
+MAX_DRAFTER_ARGS = 16
+MAX_OPTION_CHARS = 64
+JSON_MEDIA_TYPE = "application/json"
+
+
+class BodyError(ValueError):
+    """A request body outside the parser's bounds, or not a JSON object (HTTP 400)."""
+
+
+class _Refused:
+    """What the parser's hooks put in place of a number it refuses; `parse_body` reports where."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _parse_int(text: str) -> int | _Refused:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        return _Refused(f"integers are limited to {MAX_INT_DIGITS} digits, got one of {len(text.lstrip('-'))}")
+    return int(text)
+
+
+def _parse_float(text: str) -> float | _Refused:
+    value = float(text)
+    return value if math.isfinite(value) else _Refused(f"{text[:32]} is out of the range of a double")
+
+
+def _parse_constant(text: str) -> _Refused:
+    return _Refused(f"{text} is not a JSON number")
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The JSON object of a request body, within the bounds above.
+
+    Raises:
+        BodyError: Not UTF-8 JSON, not an object, nested deeper than `MAX_JSON_DEPTH`, or holding a
+            number the bounds refuse; the message names where (`kvlab.drafter_args.seed: ...`).
+    """
+    try:
+        data = json.loads(raw, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+    except RecursionError:  # the C scanner's own guard, far past MAX_JSON_DEPTH
+        raise BodyError(f"the body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
+        raise BodyError(f"the body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise BodyError("the body must be a JSON object")
+    _check_bounds(data)
+    return data
+
+
+def _check_bounds(data: dict[str, Any]) -> None:
+    """Depth and refused numbers, walked without recursion (paths are built only for an error)."""
+    stack: list[tuple[dict[str, Any] | list[Any], tuple[str, ...]]] = [(data, ())]
+    while stack:
+        container, path = stack.pop()
+        if len(path) >= MAX_JSON_DEPTH:
+            raise BodyError(f"{'.'.join(path)}: the body nests deeper than {MAX_JSON_DEPTH} levels")
+        items = container.items() if isinstance(container, dict) else enumerate(container)
+        for key, value in items:
+            if isinstance(value, (dict, list)):
+                stack.append((value, (*path, str(key))))
+            elif isinstance(value, _Refused):
+                raise BodyError(f"{'.'.join((*path, str(key)))}: {value.reason}")
+
+
+def is_json_media_type(content_type: str | None) -> bool:
+    """Whether a Content-Type header is `application/json`, alone or with `charset=utf-8`."""
+    if content_type is None:
+        return False
+    media_type, *parameters = (part.strip().lower() for part in content_type.split(";"))
+    if media_type != JSON_MEDIA_TYPE:
+        return False
+    return all(parameter.replace(" ", "") in ("charset=utf-8", 'charset="utf-8"') for parameter in parameters)
 
 
 class StreamOptions(BaseModel):
@@ -48,6 +134,12 @@ class KvlabOptions(BaseModel):
     def _check(self) -> KvlabOptions:
         if isinstance(self.draft_length, int) and not isinstance(self.draft_length, bool) and self.draft_length < 1:
             raise ValueError(f"kvlab.draft_length must be a positive integer or 'auto', got {self.draft_length}")
+        args = self.drafter_args or {}
+        if len(args) > MAX_DRAFTER_ARGS:
+            raise ValueError(f"kvlab.drafter_args takes at most {MAX_DRAFTER_ARGS} parameters")
+        for key, value in args.items():
+            if len(key) > MAX_OPTION_CHARS or (isinstance(value, str) and len(value) > MAX_OPTION_CHARS):
+                raise ValueError(f"kvlab.drafter_args names and texts are limited to {MAX_OPTION_CHARS} characters")
         return self
 
 
@@ -55,7 +147,7 @@ class _Common(BaseModel):
     """Fields both endpoints share."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
+    model: str | None = Field(default=None, max_length=MAX_OPTION_CHARS * 4)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -64,7 +156,7 @@ class _Common(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=MAX_OPTION_CHARS * 4)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -82,6 +174,8 @@ class _Common(BaseModel):
             raise ValueError("stop strings must not be empty")
         if len(self.stop_strings) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        if any(len(stop) > MAX_STOP_CHARS for stop in self.stop_strings):
+            raise ValueError(f"stop strings are limited to {MAX_STOP_CHARS} characters")
         return self
 
     @property
@@ -125,7 +219,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
-    name: str | None = None
+    name: str | None = Field(default=None, max_length=MAX_OPTION_CHARS * 4)
 
     @property
     def text(self) -> str:
@@ -135,7 +229,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     """`POST /v1/chat/completions`: the messages go through the model's chat template."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
 
@@ -148,7 +242,9 @@ class ChatCompletionRequest(_Common):
         return self
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """An OpenAI-style error object."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
@@ -180,11 +276,14 @@ def completion_body(
 
 
 def chunk_body(
-    request_id: str, model: str, chat: bool, created: int, text: str | None, finish_reason: str | None, first: bool = False
+    request_id: str, model: str, chat: bool, created: int, text: str | None, finish_reason: str | None,
+    first: bool = False,
 ) -> dict[str, Any]:
     """One server-sent event of a streamed reply; `text=None` makes the usage-only chunk (no choices)."""
     if chat:
-        chunk: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        chunk: dict[str, Any] = {
+            "id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+        }
         if text is None:
             chunk["choices"] = []
             return chunk
@@ -194,5 +293,6 @@ def chunk_body(
         chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
         return chunk
     chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-    chunk["choices"] = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    chunk["choices"] = [] if text is None else [choice]
     return chunk

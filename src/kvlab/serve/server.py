@@ -1,16 +1,19 @@
 """Start `kvlab serve`: load the model, start the engine, serve HTTP until SIGTERM or Ctrl-C.
 
-On SIGTERM (or SIGINT) uvicorn stops accepting connections and lets open requests finish for
-`shutdown_timeout_s`; the app's shutdown then cancels what is left and finishes pending prefix
-writes, and the process exits 0.
+On SIGTERM (or SIGINT) the server drains before uvicorn stops: it keeps accepting connections, so
+`/health` answers 503 "shutting down" and new requests get a 503; requests in the system may finish
+for `shutdown_timeout_s`, and those still running then end cleanly (a stream gets an error event and
+`[DONE]`, a plain request a 503 error object). Pending prefix writes are finished, and only then is
+uvicorn told to stop; the process exits 0. A second signal stops uvicorn at once.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import signal
 import sys
+import threading
+from types import FrameType
 
 import uvicorn
 
@@ -22,6 +25,57 @@ from kvlab.serve.config import ServeConfig
 from kvlab.serve.engine import ServeEngine
 
 logger = logging.getLogger(__name__)
+
+# Seconds uvicorn waits for responses once the drain is over (they only have their last bytes to
+# write) or once the engine failed; past it, it cancels them.
+FLUSH_TIMEOUT_S = 5
+
+
+class Drain:
+    """Shuts the engine down once, whoever asks first: a SIGTERM's drain (`DrainingServer`) or the
+    app's end; a later caller waits for the first to finish."""
+
+    def __init__(self, engine: ServeEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._done = False
+
+    def __call__(self, timeout_s: float) -> None:
+        """Refuse new requests (503), let those in the system finish for `timeout_s`, end the rest with an
+        error event (`FailedEvent`), then finish pending prefix writes."""
+        with self._lock:
+            if not self._done:
+                self._done = True
+                self.engine.shutdown(timeout_s)
+
+
+class DrainingServer(uvicorn.Server):
+    """Uvicorn, draining on the first SIGTERM or SIGINT instead of stopping (see the module docstring).
+
+    Uvicorn's own stop closes the listening socket first, so `/health` would refuse connections for
+    the whole grace period and requests cut by it would lose their connection mid-reply. The drain
+    instead runs in a thread while uvicorn serves on: the engine refuses new requests and fails the
+    ones left at the timeout with an event the app turns into a clean end; then uvicorn stops, with
+    nothing left to cut.
+    """
+
+    def __init__(self, config: uvicorn.Config, drain: Drain, timeout_s: float) -> None:
+        super().__init__(config)
+        self.drain, self.timeout_s = drain, timeout_s
+        self._draining: threading.Thread | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining is not None or self.should_exit:  # a second signal: stop now
+            super().handle_exit(sig, frame)
+            return
+        logger.warning("kvlab serve: draining for up to %g s before stopping", self.timeout_s)
+
+        def drain_then_stop() -> None:
+            self.drain(self.timeout_s)
+            super(DrainingServer, self).handle_exit(sig, frame)  # uvicorn records the signal and stops
+
+        self._draining = threading.Thread(target=drain_then_stop, name="kvlab-serve-drain", daemon=True)
+        self._draining.start()
 
 
 def default_lossless(config: ServeConfig) -> LosslessConfig:
@@ -41,17 +95,19 @@ def run_server(config: ServeConfig, verbose: bool = False) -> int:
             server.should_exit = True
 
     engine = ServeEngine(loaded, config, lossless, on_failure=stop_serving)
-    app = create_app(engine, config, lossless)
-    server = uvicorn.Server(
+    drain = Drain(engine)
+    app = create_app(engine, config, lossless, drain)
+    server = DrainingServer(
         uvicorn.Config(
             app,
             host=config.host,
             port=config.port,
             log_level="info" if verbose else "warning",
-            # uvicorn reads 0 as "wait forever": a whole second is the shortest grace period.
-            timeout_graceful_shutdown=max(1, math.ceil(config.shutdown_timeout_s)),
+            timeout_graceful_shutdown=FLUSH_TIMEOUT_S,
             lifespan="on",
-        )
+        ),
+        drain,
+        config.shutdown_timeout_s,
     )
     print(
         f"kvlab serve: {loaded.name} on http://{config.host}:{config.port} (mode {config.mode}; "
@@ -66,8 +122,7 @@ def run_server(config: ServeConfig, verbose: bool = False) -> int:
     try:
         server.run()
     finally:
-        if not engine.closing:  # uvicorn failed before the app's shutdown ran (e.g. the port was taken)
-            engine.shutdown(0.0)
+        drain(0.0)  # a no-op after the app's shutdown; needed when uvicorn failed first (the port was taken)
     if engine.failure is not None:
         logger.error("kvlab serve: the engine failed (%s); exiting", engine.failure)
         return 1

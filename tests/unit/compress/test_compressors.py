@@ -259,3 +259,32 @@ def test_compressed_caches_refuse_to_roll_back_into_compressed_storage() -> None
         cache.crop(31)
         with pytest.raises(ValueError, match="cannot roll back"):
             cache.crop(20)
+
+
+# ----- parameter bounds: no parameter asks for unbounded work, memory or a seed past the generator
+
+INTEGER_PARAMETERS = [
+    (name, parameter.name)
+    for name in compressors.names()
+    for parameter in compressors.parameters(name)
+    if parameter.type in ("int", "int | None")
+]
+
+
+def test_the_bounds_matrix_covers_every_compressor() -> None:
+    assert {name for name, _ in INTEGER_PARAMETERS} == set(compressors.names())
+
+
+@pytest.mark.parametrize(("name", "parameter"), INTEGER_PARAMETERS)
+@pytest.mark.parametrize("value", [1 << 63, -(1 << 63), 10**30])
+def test_an_integer_parameter_out_of_range_is_a_config_error_naming_it(name: str, parameter: str, value: int) -> None:
+    with pytest.raises(ConfigError, match=parameter):
+        create_compressor(name, **{parameter: value})
+
+
+def test_a_budget_larger_than_the_prompt_is_refused_before_compressing() -> None:
+    compressor = create_compressor("snapkv", budget=30)
+    with pytest.raises(ConfigError, match="budget 30 is larger than the prompt \\(20 tokens\\)"):
+        compressor.check_prompt(20)
+    compressor.check_prompt(30)
+    create_compressor("kivi").check_prompt(1)

@@ -30,7 +30,8 @@ def make_client(loaded: LoadedModel, **settings: object) -> TestClient:
     config = ServeConfig(**settings)  # type: ignore[arg-type]
     lossless = LosslessConfig(compressors.create("snapkv", budget=8), 3)
     engine = ServeEngine(loaded, config, lossless)
-    return TestClient(create_app(engine, config, lossless))
+    # The address the server would be bound to: the app answers only its own Host names.
+    return TestClient(create_app(engine, config, lossless), base_url=f"http://127.0.0.1:{config.port}")
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +108,74 @@ def test_the_api_key_guards_the_v1_routes_only(loaded: LoadedModel) -> None:
         assert client.get("/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
         assert client.get("/v1/models", headers={"Authorization": "Bearer k3y"}).json()["data"][0]["id"] == loaded.name
         assert client.get("/health").status_code == 200 and client.get("/").status_code == 200
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:8000", "localhost:8000", "[::1]:8000"])
+def test_the_loopback_names_with_the_port_are_answered(client: TestClient, host: str) -> None:
+    assert client.get("/health", headers={"Host": host}).status_code == 200
+
+
+@pytest.mark.parametrize("host", ["attacker.example:8000", "127.0.0.1:8001", "localhost", "127.0.0.1:8000:1", "[::1"])
+def test_other_host_names_are_refused(client: TestClient, host: str) -> None:
+    reply = client.get("/health", headers={"Host": host})
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_host", reply.text
+
+
+def test_configured_hosts_replace_the_loopback_names(loaded: LoadedModel) -> None:
+    with make_client(loaded, allowed_hosts=("kvlab.internal", "proxy:9000")) as client:
+        assert client.get("/health", headers={"Host": "kvlab.internal:1234"}).status_code == 200
+        assert client.get("/health", headers={"Host": "proxy:9000"}).status_code == 200
+        assert client.get("/health", headers={"Host": "proxy:9001"}).status_code == 400
+        assert client.get("/health", headers={"Host": "127.0.0.1:8000"}).status_code == 400
+
+
+def test_a_foreign_origin_is_refused_and_the_servers_own_is_not(client: TestClient) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 1}
+    foreign = client.post("/v1/completions", json=body, headers={"Origin": "http://attacker.example"})
+    assert foreign.status_code == 403 and foreign.json()["error"]["code"] == "origin_not_allowed"
+    assert "access-control-allow-origin" not in foreign.headers
+    own = client.post("/v1/completions", json=body, headers={"Origin": "http://127.0.0.1:8000"})
+    assert own.status_code == 200, own.text
+    assert "access-control-allow-origin" not in own.headers, "same-origin replies need no CORS headers"
+
+
+def test_allowed_origins_get_cors_headers_and_preflight_answers(loaded: LoadedModel) -> None:
+    with make_client(loaded, allowed_origins=("https://app.example",)) as client:
+        preflight = client.options("/v1/completions", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        })
+        assert preflight.status_code == 204
+        assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+        assert "authorization" in preflight.headers["access-control-allow-headers"]
+        reply = client.get("/v1/models", headers={"Origin": "https://app.example"})
+        assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == "https://app.example"
+        other = client.options("/v1/completions", headers={"Origin": "https://other.example",
+                                                           "Access-Control-Request-Method": "POST"})
+        assert other.status_code == 403 and "access-control-allow-origin" not in other.headers
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                                          "application/json; charset=latin-1", None])
+def test_only_json_bodies_are_parsed(client: TestClient, content_type: str | None) -> None:
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    reply = client.post("/v1/completions", content=json.dumps({"prompt": PROMPT, "max_tokens": 1}), headers=headers)
+    assert reply.status_code == 415, reply.text
+
+
+def test_json_with_a_utf8_charset_is_parsed(client: TestClient) -> None:
+    reply = client.post("/v1/completions", content=json.dumps({"prompt": PROMPT, "max_tokens": 1}),
+                        headers={"Content-Type": "application/json; charset=UTF-8"})
+    assert reply.status_code == 200, reply.text
+
+
+def test_the_tokens_of_finished_requests_are_given_back(loaded: LoadedModel) -> None:
+    with make_client(loaded, max_tokens_in_system=40) as client:
+        for _ in range(3):  # each holds 16 + 20 of the 40 tokens while it runs
+            reply = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 20})
+            assert reply.status_code == 200, reply.text
+        too_many = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 30})
+        assert too_many.status_code == 400 and "max_tokens_in_system" in too_many.json()["error"]["message"]
+        families = text_string_to_metric_families(client.get("/metrics").text)
+        samples = {sample.name: sample.value for family in families for sample in family.samples}
+        assert samples["kvlab:num_tokens_in_system"] == 0
