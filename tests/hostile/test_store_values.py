@@ -20,7 +20,8 @@ from kvlab.store import ChunkSealer, KVStore, StoredValueError, create_store
 from kvlab.store.file import FileStore
 from kvlab.store.prefix import PrefixCache
 from kvlab.store.redis import NAMESPACE
-from tests.hostile.conftest import CHUNK, CONFIG, OTHER, SECRET, VICTIM, prefix_config
+from kvlab.store.resolution import exact_resolutions
+from tests.hostile.conftest import CHUNK, CONFIG, OTHER, SECRET, VICTIM, plant, prefix_config
 from tests.unit.store.conftest import redis_cluster, redis_cluster_url  # noqa: F401 - the cluster fixtures
 from tests.unit.store.redis_cluster_nodes import LocalRedisCluster
 
@@ -183,3 +184,18 @@ def test_a_new_file_store_root_is_private_whatever_the_umask(tmp_path: Path) -> 
     finally:
         os.umask(previous)
     assert (tmp_path / "new" / "store").stat().st_mode & 0o777 == 0o700
+
+
+def test_one_broken_chunk_met_by_two_fetches_is_one_warning(
+    victim_model: LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A background prefetch, then a lossless verifier's fetch of the exact resolutions: one fault."""
+    planted = plant(victim_model, "truncated_value", SECRET)
+    reader = PrefixCache.for_model(victim_model, planted.store, prefix_config(), planted.sealer)
+    with caplog.at_level(logging.WARNING, logger="kvlab.store"):
+        first = reader.fetch(VICTIM)
+        second = reader.fetch(VICTIM, exact_resolutions())
+    assert first.num_tokens == second.num_tokens == CHUNK and second.stats.failed_key == planted.key
+    faults = [record.getMessage() for record in caplog.records if record.name == "kvlab.store"]
+    assert len(faults) == 1 and planted.key in faults[0], faults
+    assert sum(reader.fault_counts.values()) == 1, reader.fault_counts

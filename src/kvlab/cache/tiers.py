@@ -79,7 +79,9 @@ class TierSpec:
                 raise ConfigError(f"an emulated tier needs a positive bandwidth in GB/s, got {name!r}")
             return cls("emulated", rate)
         if name not in TIER_KINDS or name == "emulated":
-            raise ConfigError(f"full KV tier must be memory, host, disk or emulated:GBPS (e.g. emulated:2), got {name!r}")
+            raise ConfigError(
+                f"full KV tier must be memory, host, disk or emulated:GBPS (e.g. emulated:2), got {name!r}"
+            )
         return cls(name)
 
     @property
@@ -357,7 +359,9 @@ class TierLoader:
             self.stats.bytes_read += moved
             self.stats.loads += 1
 
-    def storage(self, layer_idx: int, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> TierStorage:
+    def storage(
+        self, layer_idx: int, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device
+    ) -> TierStorage:
         if self.spec.kind == "emulated":
             assert self.bucket is not None
             return EmulatedStorage(self.bucket)

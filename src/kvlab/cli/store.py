@@ -114,8 +114,8 @@ def _put(store: KVStore, args: argparse.Namespace) -> int:
 def _get(store: KVStore, args: argparse.Namespace) -> int:
     data = store.get(args.key)
     if data is None:
-        print(f"kvlab store: error: no value under key {args.key!r} in {store.url}; `kvlab store ls URL` lists the keys",
-              file=sys.stderr)
+        print(f"kvlab store: error: no value under key {args.key!r} in {store.url}; "
+              "`kvlab store ls URL` lists the keys", file=sys.stderr)
         return EXIT_RUNTIME_ERROR
     if args.output is None:
         sys.stdout.flush()

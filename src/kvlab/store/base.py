@@ -97,7 +97,7 @@ class KVStore(abc.ABC):
             StoredValueError: The key holds something that is not a value (e.g. a Redis hash).
         """
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: most backends hold nothing to release
         """Release connections or handles (no-op by default)."""
 
 

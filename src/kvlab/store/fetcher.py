@@ -13,6 +13,7 @@ chunk and is returned as a `Fault`; worker exceptions reach the caller's thread 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -178,10 +179,8 @@ class PrefixFetcher:
             stop.set()
             # Unblock the transfer thread if it waits on a full queue, then let it finish.
             while thread.is_alive():
-                try:
+                with contextlib.suppress(queue.Empty):
                     arrivals.get(timeout=0.05)
-                except queue.Empty:
-                    pass
             thread.join()
             decoders.shutdown(wait=True, cancel_futures=True)
 

@@ -100,11 +100,15 @@ class FileStore(KVStore):
         check_key(key)
         try:
             with self._bucket(key[:2]) as bucket, self._value(bucket, key, for_reading=True) as handle:
-                check_size(key, os.fstat(handle).st_size, max_bytes, self.url)
+                size = os.fstat(handle).st_size
+                check_size(key, size, max_bytes, self.url)
                 with os.fdopen(os.dup(handle), "rb") as file:
-                    # A file growing after the fstat is still read no further than the bound.
-                    data = file.read() if max_bytes is None else file.read(max_bytes + 1)
-                check_size(key, len(data), max_bytes, self.url)
+                    # A file that grew after the fstat is read one byte past its size (or the bound), so the
+                    # growth shows; reading up to the bound itself would allocate the bound.
+                    data = file.read() if max_bytes is None else file.read(min(size, max_bytes) + 1)
+                if len(data) > size:
+                    raise StoredValueError(f"{self.url}: the value under {key!r} grew while it was read (the store "
+                                           "never writes in place: someone else does); not using it")
                 return data
         except FileNotFoundError:
             return None

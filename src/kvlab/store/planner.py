@@ -44,7 +44,9 @@ def pipeline_seconds(stages: list[tuple[float, float]], latency_s: float = 0.0) 
     return decoded
 
 
-def choose_resolution(options: list[ResolutionCost], bandwidth_bytes_per_s: float, quality_slack: float) -> ResolutionCost:
+def choose_resolution(
+    options: list[ResolutionCost], bandwidth_bytes_per_s: float, quality_slack: float
+) -> ResolutionCost:
     """The option with the cheapest bottleneck stage, the best quality among near-ties."""
     if not options:
         raise ValueError("no resolution to choose from")
@@ -88,4 +90,6 @@ def plan_chunks(
         # Ties go to fetching more: it spends no compute.
         if seconds < best_s or (seconds == best_s and cut > best_cut):
             best_cut, best_s = cut, seconds
-    return [option.name if option is not None and index < best_cut else RECOMPUTE for index, option in enumerate(chosen)]
+    return [
+        option.name if option is not None and index < best_cut else RECOMPUTE for index, option in enumerate(chosen)
+    ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from typing import Protocol
 
@@ -107,6 +108,13 @@ class PrefixConfig:
         return all(RESOLUTIONS[name].exact for name in self.fetch)
 
 
+def fault_kind(error: BaseException) -> str:
+    """The `PrefixCache.fault_counts` key of a fault: auth, store, or the exception's class name."""
+    if isinstance(error, ChunkAuthError):
+        return "auth"
+    return "store" if isinstance(error, StoreUnavailableError) else type(error).__name__
+
+
 class PrefixSource(Protocol):
     """What prefill needs from a prefix store (`PrefixCache`, or a scheduler's prefetched results)."""
 
@@ -155,9 +163,10 @@ class PrefixCache:
         self.config = config or PrefixConfig()
         self.sealer = sealer or ChunkSealer.from_environment()
         # An fp32 chunk of keys (or values) is half the chunk's fp32-equivalent bytes.
-        self.geometry = geometry or ChunkGeometry(self.config.chunk_tokens, raw_bytes_per_token * self.config.chunk_tokens // 2)
-        if self.geometry.num_tokens != self.config.chunk_tokens:
-            raise ConfigError(f"geometry of {self.geometry.num_tokens}-token chunks for chunk_tokens={self.config.chunk_tokens}")
+        chunk_tokens = self.config.chunk_tokens
+        self.geometry = geometry or ChunkGeometry(chunk_tokens, raw_bytes_per_token * chunk_tokens // 2)
+        if self.geometry.num_tokens != chunk_tokens:
+            raise ConfigError(f"geometry of {self.geometry.num_tokens}-token chunks for chunk_tokens={chunk_tokens}")
         self.estimates = Estimates(self.config)
         self.fault_counts: dict[str, int] = {}
         self._fetcher = PrefixFetcher(self.config, self.estimates, self.sealer, self.geometry, raw_bytes_per_token)
@@ -166,13 +175,19 @@ class PrefixCache:
         # Keys whose value failed to open or decode: the next save of that chunk overwrites it, so one
         # corrupted value costs one recompute, not one per later prompt.
         self._rewrite: set[str] = set()
+        self._rewrite_lock = threading.Lock()
         warn_if_unauthenticated(self.sealer, store.url or type(store).__name__, store.shared)
 
     @classmethod
     def for_model(
-        cls, loaded: LoadedModel, store: KVStore | str, config: PrefixConfig | None = None, sealer: ChunkSealer | None = None
+        cls,
+        loaded: LoadedModel,
+        store: KVStore | str,
+        config: PrefixConfig | None = None,
+        sealer: ChunkSealer | None = None,
     ) -> PrefixCache:
-        """A prefix cache for `loaded` on `store` (a store or its URL) that accepts only chunks of its geometry and dtype."""
+        """A prefix cache for `loaded` on `store` (a store or its URL) that accepts only chunks of its
+        geometry and dtype."""
         config = config or PrefixConfig()
         sealer = sealer or ChunkSealer.from_environment()
         backend = create_store(store) if isinstance(store, str) else store
@@ -279,20 +294,30 @@ class PrefixCache:
         return fetched
 
     def _fail(self, stats: FetchStats, fault: Fault, total: int) -> None:
-        """Record, count and log why the fetch ends at chunk `fault.index` (-1: before any chunk)."""
+        """Record, count and log why the fetch ends at chunk `fault.index` (-1: before any chunk).
+
+        A chunk already found broken and not yet rewritten is the same fault met again (two fetches of
+        one prompt, such as a background prefetch and a lossless verifier's exact fetch): it is neither
+        counted nor logged twice.
+        """
         error = fault.error
         stats.failure = f"{type(error).__name__}: {error}"
         stats.failed_key, stats.faults = fault.key, 1
-        kind = "auth" if isinstance(error, ChunkAuthError) else "store" if isinstance(error, StoreUnavailableError) else type(error).__name__
-        self.fault_counts[kind] = self.fault_counts.get(kind, 0) + 1
         retry = ""
         if isinstance(error, StoreUnavailableError):
             self._down_until = time.monotonic() + self.config.retry_after_s
             retry = f"; not trying the store again for {self.config.retry_after_s:g} s"
-        where = self.store.url or type(self.store).__name__
-        if fault.key is not None and not isinstance(error, StoreUnavailableError):
-            self._rewrite.add(fault.key)
+        elif fault.key is not None:
+            with self._rewrite_lock:
+                repeated = fault.key in self._rewrite
+                self._rewrite.add(fault.key)
+            if repeated:
+                logger.debug("prefix fetch met chunk %s again before its rewrite (%s)", fault.key, stats.failure)
+                return
             retry += "; the chunk will be rewritten when recomputed"
+        kind = fault_kind(error)
+        self.fault_counts[kind] = self.fault_counts.get(kind, 0) + 1
+        where = self.store.url or type(self.store).__name__
         if fault.index < 0:
             logger.warning("prefix lookup in %s failed (%s); computing the whole prompt%s", where, stats.failure, retry)
             return
@@ -345,9 +370,10 @@ class PrefixCache:
         """Whether `key` holds a value worth keeping: not one a fetch found broken; any other value
         without a secret (values are write-once); with one, only a value whose tag verifies (so a
         planted value is replaced, not kept forever)."""
-        if key in self._rewrite:
-            self._rewrite.discard(key)
-            return False
+        with self._rewrite_lock:
+            if key in self._rewrite:
+                self._rewrite.discard(key)
+                return False
         try:
             if not self.sealer.authenticated:
                 return self.store.contains(key)

@@ -112,8 +112,11 @@ RESOLUTIONS: dict[str, Resolution] = {
         # The raw fp32 bytes: the "plain transfer" baseline of the prefix-reuse benchmark.
         Resolution("raw", "raw", (), quality=5, nominal_bits_per_value=32.0, decode_values_per_s=1e9),
         Resolution("exact", "byteplane", (), quality=5, nominal_bits_per_value=26.9, decode_values_per_s=1.6e8),
-        Resolution("int8", "quant_zstd", (("bits", 8),), quality=4, nominal_bits_per_value=8.2, decode_values_per_s=1e8),
-        Resolution("int4", "quant_zstd", (("bits", 4),), quality=3, nominal_bits_per_value=4.2, decode_values_per_s=1e8),
+        *(
+            Resolution(f"int{bits}", "quant_zstd", (("bits", bits),), quality=quality,
+                       nominal_bits_per_value=bits_per_value, decode_values_per_s=1e8)
+            for bits, quality, bits_per_value in ((8, 4, 8.2), (4, 3, 4.2))
+        ),
         # KVCodec's operating point: low-bit codes coded by lossless HEVC (NVDEC where available).
         *(
             Resolution(f"int{bits}-video", "video_codes", (("bits", bits),), quality=bits - 1,

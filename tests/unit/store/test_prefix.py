@@ -154,11 +154,14 @@ class FaultyStore(KVStore):
     def put(self, key: str, data: bytes) -> None:
         self.inner.put(key, data)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         self.reads += 1
         if self.healthy_reads is not None and self.reads > self.healthy_reads:
             raise self.error
-        return self.inner.get(key)
+        return self.inner.get(key, max_bytes)
+
+    def nbytes(self, key: str) -> int | None:
+        return self.inner.nbytes(key)
 
     def contains(self, key: str) -> bool:
         return self.inner.contains(key)
@@ -203,8 +206,8 @@ def test_chunk_deleted_between_lookup_and_read_is_recomputed(model: LoadedModel,
     third = prefix.keys(PROMPT, "exact")[2]
 
     class Vanishing(FaultyStore):
-        def get(self, key: str) -> bytes | None:
-            return None if key == third else self.inner.get(key)
+        def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+            return None if key == third else self.inner.get(key, max_bytes)
 
     prefix.store = Vanishing(store)
     check_fallback(model, prefix, caplog, reused=2 * CHUNK)
@@ -293,11 +296,11 @@ def test_redis_killed_mid_fetch_is_recomputed(
     prefix.flush()
 
     class KillAfterTwoReads(FaultyStore):
-        def get(self, key: str) -> bytes | None:
+        def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
             self.reads += 1
             if self.reads == 3:
                 redis_server.stop()
-            return self.inner.get(key)
+            return self.inner.get(key, max_bytes)
 
     prefix.store = KillAfterTwoReads(store)
     check_fallback(model, prefix, caplog, reused=2 * CHUNK)

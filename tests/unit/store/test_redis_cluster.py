@@ -94,11 +94,14 @@ class KillOnRead(KVStore):
     def __init__(self, inner: KVStore, cluster: LocalRedisCluster, fatal_read: int) -> None:
         self.inner, self.cluster, self.fatal_read, self.reads = inner, cluster, fatal_read, 0
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         self.reads += 1
         if self.reads == self.fatal_read:
             self.cluster.kill(self.cluster.node_of(NAMESPACE + key))
-        return self.inner.get(key)
+        return self.inner.get(key, max_bytes)
+
+    def nbytes(self, key: str) -> int | None:
+        return self.inner.nbytes(key)
 
     def put(self, key: str, data: bytes) -> None:
         self.inner.put(key, data)
