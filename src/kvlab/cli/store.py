@@ -47,7 +47,7 @@ class StoreCommand(Command):
         verify.add_argument("--delete", action="store_true", help="remove each value that fails, right after its check")
         verify.add_argument("--max-value-bytes", type=int, default=None, metavar="N",
                             help="values larger than this fail unread (default: the most two frames within the "
-                                 "1 GiB decode limit can take, about 2.1 GB)")
+                                 "1 GiB decode limit can take, about 2.3 GB)")
         add_json_flag(verify)
         clear = add_subcommand(verbs, "clear", "remove every key (or every key under --prefix)")
         clear.add_argument("url", help=URL_HELP)
