@@ -199,3 +199,25 @@ def test_one_broken_chunk_met_by_two_fetches_is_one_warning(
     faults = [record.getMessage() for record in caplog.records if record.name == "kvlab.store"]
     assert len(faults) == 1 and planted.key in faults[0], faults
     assert sum(reader.fault_counts.values()) == 1, reader.fault_counts
+
+
+def test_kvlab_generate_over_a_sparse_32_gib_value_exits_0_and_heals_the_store(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It printed the right answer, then exited 1 with BackgroundWriteError (MemoryError) on every run."""
+    monkeypatch.setenv("KVLAB_STORE_SECRET", SECRET.decode())
+    prompt = " ".join(f"w{token}" for token in VICTIM)
+    url = f"file://{tmp_path / 'store'}"
+    argv = ["generate", "--model", str(tiny_model_dir), "--raw", "--prompt", prompt, "--max-new-tokens", "6",
+            "--ignore-eos", "--json", "--prefix-store", url, "--prefix-chunk-tokens", str(CHUNK)]
+    assert main(argv) == 0
+    expected = json.loads(capsys.readouterr().out)["token_ids"]
+    values = sorted(path for path in (tmp_path / "store").rglob("*") if path.is_file())
+    assert len(values) >= 2
+    os.truncate(values[0], 32 << 30)
+    for _ in range(2):
+        code = main(argv)
+        captured = capsys.readouterr()
+        assert code == 0, captured.err[-2000:]
+        assert json.loads(captured.out)["token_ids"] == expected
+    assert values[0].stat().st_size < 1 << 20, "the oversized value must be rewritten by the first run"
