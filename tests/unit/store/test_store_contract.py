@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvlab.errors import ConfigError
-from kvlab.store import KVStore, StoreUnavailableError, chunk_keys, create_store, fingerprint, stores
+from kvlab.store import KVStore, StoredValueError, StoreUnavailableError, chunk_keys, create_store, fingerprint, stores
 from kvlab.store.file import FileStore
 
 # One URL factory per registered scheme (the matrix must cover the registry); a factory may ask for
@@ -114,6 +114,18 @@ def test_nbytes_is_the_value_size_or_none(store: KVStore) -> None:
     store.put("sized", b"12345")
     store.put("empty", b"")
     assert (store.nbytes("sized"), store.nbytes("empty"), store.nbytes("absent")) == (5, 0, None)
+
+
+def test_a_bounded_get_reads_values_within_the_bound_and_refuses_larger_ones(store: KVStore) -> None:
+    store.put("sized", bytes(range(100)))
+    store.put("empty", b"")
+    assert store.get("sized", max_bytes=100) == bytes(range(100))
+    assert store.get("empty", max_bytes=0) == b"" and store.get("absent", max_bytes=10) is None
+    with pytest.raises(StoredValueError, match="'sized' has 100 bytes, more than the 99"):
+        store.get("sized", max_bytes=99)
+    with pytest.raises(StoredValueError):
+        store.get_many(["empty", "sized"], max_bytes=50)
+    assert store.get_many(["sized", "absent"], max_bytes=100) == [bytes(range(100)), None]
 
 
 def test_concurrent_clients_lose_and_corrupt_nothing(store: KVStore) -> None:
