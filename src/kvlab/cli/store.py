@@ -60,7 +60,7 @@ class StoreCommand(Command):
         store = create_store(args.url, create=args.store_verb == "put")
         try:
             return actions[args.store_verb](store, args)
-        except StoreUnavailableError as error:
+        except (StoreUnavailableError, StoredValueError) as error:
             print(f"kvlab store: error: {error}", file=sys.stderr)
             return EXIT_RUNTIME_ERROR
         finally:

@@ -368,8 +368,9 @@ class PrefixCache:
 
     def _stored_intact(self, name: str, key: str) -> bool:
         """Whether `key` holds a value worth keeping: not one a fetch found broken; any other value
-        without a secret (values are write-once); with one, only a value whose tag verifies (so a
-        planted value is replaced, not kept forever)."""
+        without a secret (values are write-once); with one, only a value of a chunk's size at most
+        whose tag verifies (so a planted value is replaced, not kept forever). What the store refuses
+        to read (too large, a wrong-type key, a hard link) is not worth keeping."""
         with self._rewrite_lock:
             if key in self._rewrite:
                 self._rewrite.discard(key)
