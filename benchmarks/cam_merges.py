@@ -25,7 +25,8 @@ from kvlab.bench.runner import encode_sample
 from kvlab.compress import create_compressor
 from kvlab.compress.base import CompressionContext
 from kvlab.compress.cam import CaMCompressor
-from kvlab.generation import GenerationConfig, generate
+from kvlab.engine import generate
+from kvlab.generation import GenerationConfig
 from kvlab.models import load_model
 
 

@@ -19,7 +19,8 @@ import torch
 
 from kvlab.compress import Compressor, create_compressor
 from kvlab.data import document_token_ids
-from kvlab.generation import GenerationConfig, generate
+from kvlab.engine import generate
+from kvlab.generation import GenerationConfig
 from kvlab.models import LoadedModel, load_model
 
 METHODS: list[tuple[str, str | None, dict[str, object]]] = [

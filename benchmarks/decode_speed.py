@@ -19,7 +19,8 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from kvlab.data import document_token_ids
-from kvlab.generation import GenerationConfig, generate
+from kvlab.engine import generate
+from kvlab.generation import GenerationConfig
 from kvlab.models import LoadedModel, load_model
 
 

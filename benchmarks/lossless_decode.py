@@ -30,10 +30,10 @@ import torch
 from kvlab.cache import KVCache
 from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids
-from kvlab.generation import GenerationConfig, GenerationOutput, decode
-from kvlab.generation.prefill import prefill
-from kvlab.lossless import LosslessConfig, LosslessOutput, LosslessRun
-from kvlab.lossless.engine import admit_prefilled
+from kvlab.engine import Engine, PrefilledPrompt, Request
+from kvlab.generation import GenerationConfig, GenerationOutput, reference_decode
+from kvlab.generation.prefill import PrefillCaches, prefill
+from kvlab.lossless import LosslessConfig, LosslessOutput
 from kvlab.models import DEFAULT_MODEL, LoadedModel, load_model
 from kvlab.models.draft_weights import draft_model
 
@@ -84,7 +84,7 @@ def prefill_all(loaded: LoadedModel, prompts: list[list[int]], name: str, params
     drafter = create_compressor(name, **params)
     result = []
     for prompt in prompts:
-        full, draft, logits = prefill(loaded, [prompt], capacity, drafter=drafter)
+        full, draft, logits = prefill(loaded, [prompt], PrefillCaches(capacity, drafter=drafter))
         assert draft is not None
         result.append((full, draft, logits))
     return result
@@ -99,16 +99,18 @@ def run_setting(
         lossless = LosslessConfig(
             create_compressor(name, **params), num_draft_tokens, MAX_NUM_DRAFT_TOKENS, draft_weights=draft_weights
         )
-        run = LosslessRun(loaded, config, lossless, len(prompts))
-        for request, (prompt, (full, draft, logits)) in enumerate(zip(prompts, prefilled, strict=True)):
-            admit_prefilled(run, request, prompt, (full.clone(), draft.clone(), logits))
-        while run.sequences:
-            run.step()
-        return run.finish()
+        requests = [Request(prompt, config, lossless=lossless) for prompt in prompts]
+        engine = Engine(loaded)
+        ids = [engine.add_request(request, PrefilledPrompt(full.clone(), draft.clone(), logits))
+               for request, (full, draft, logits) in zip(requests, prefilled, strict=True)]
+        while engine.num_unfinished():
+            engine.step()
+        stats, rounds = engine.finish_stats()
+        return LosslessOutput([engine.output(request_id) for request_id in ids], stats, rounds)
     caches = [(draft if mode == "lossy" else full).clone() for full, draft, _ in prefilled]
     cache = caches[0] if len(caches) == 1 else KVCache.stack(caches, caches[0].layers[0].capacity)  # type: ignore[attr-defined]
     logits = torch.cat([logits for _, _, logits in prefilled])
-    return decode(loaded, prompts, cache, logits, config)
+    return reference_decode(loaded, prompts, cache, logits, config)
 
 
 def bytes_per_token(

@@ -29,20 +29,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from typing import Any
 
 import torch
 
 from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids
-from kvlab.generation import GenerationConfig, GenerationOutput, generate
-from kvlab.generation.scheduler import FetchAwareScheduler, Request
-from kvlab.lossless import LosslessConfig, LosslessOutput, generate_lossless
+from kvlab.engine import Engine, EngineCallbacks, EngineConfig, Request, SinglePrefixSource, generate, generate_lossless
+from kvlab.generation import GenerationConfig, GenerationOutput
+from kvlab.lossless import LosslessConfig, LosslessOutput
 from kvlab.models import LoadedModel, load_model
 from kvlab.store import KVStore, create_store
 from kvlab.store.link import ThrottledStore
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 from kvlab.store.resolution import RESOLUTIONS
+from kvlab.timing import Stopwatch
 
 # (label, fetch resolutions, allow recompute, lossless drafting resolution)
 MODES: list[tuple[str, tuple[str, ...], bool, str | None]] = [
@@ -80,6 +82,31 @@ def run_mode(loaded: LoadedModel, prompt: list[int], prefix: PrefixCache, new_to
     # The drafter already sees only a window of the prefix (its first and last chunks): it keeps all of it.
     lossless = LosslessConfig(create_compressor("snapkv", compression_ratio=0.0), "auto", prefix_draft=lossless_from)
     return generate_lossless(loaded, [prompt], config, lossless, prefix=prefix)
+
+
+def serve_arrivals(
+    loaded: LoadedModel, prefix: PrefixCache, arrivals: list[tuple[float, list[int]]], config: GenerationConfig,
+    fetch_workers: int,
+) -> tuple[list[float], list[list[int]]]:
+    """Requests arriving at their times (seconds from now) into one engine: each one's time from arrival
+    to first token, and its tokens. With `fetch_workers` a prefix is fetched in the background before
+    admission (fetch-aware); with 0 it is fetched inline by the prefill, in arrival order."""
+    first_token_s: dict[int, float] = {}
+    clock = Stopwatch()
+    engine = Engine(loaded, EngineConfig(interleave_prefill=True, fetch_workers=fetch_workers),
+                    SinglePrefixSource(prefix),
+                    EngineCallbacks(on_tokens=lambda i, _: first_token_s.setdefault(i, clock.elapsed())))
+    ids: list[int] = []
+    while len(ids) < len(arrivals) or engine.num_unfinished():
+        while len(ids) < len(arrivals) and arrivals[len(ids)][0] <= clock.elapsed():
+            ids.append(engine.add_request(Request(arrivals[len(ids)][1], config)))
+        if engine.has_work():
+            engine.step()
+        else:
+            time.sleep(0.005)
+    engine.close()
+    ttft = [first_token_s[request_id] - arrival for request_id, (arrival, _) in zip(ids, arrivals, strict=True)]
+    return ttft, [engine.output(request_id).token_ids for request_id in ids]
 
 
 def total_s(output: GenerationOutput) -> float:
@@ -182,19 +209,18 @@ def main() -> None:
     if args.scheduler_link > 0:
         link = ThrottledStore(memory, bits_per_s=args.scheduler_link * 1e9)
         shorts = [document[512 * (i + 1) : 512 * (i + 2)] for i in range(args.short_requests)]
-        requests = [Request(prompt_b, config, 0.0)] + [Request(p, config, 0.2 * (i + 1)) for i, p in enumerate(shorts)]
+        arrivals = [(0.0, prompt_b)] + [(0.2 * (i + 1), p) for i, p in enumerate(shorts)]
         for fetch_aware in (False, True):
             prefix = reader(loaded, link, args.chunk_tokens, ("exact",), False, prefill_speed)
-            completions = FetchAwareScheduler(loaded, prefix, fetch_aware=fetch_aware).run(requests)
-            short_ttft = [c.ttft_s for c in completions[1:]]
+            ttft, outputs = serve_arrivals(loaded, prefix, arrivals, config, fetch_workers=1 if fetch_aware else 0)
             scheduler_rows.append({
                 "fetch_aware": fetch_aware,
-                "short_mean_ttft_s": sum(short_ttft) / len(short_ttft),
-                "reuse_ttft_s": completions[0].ttft_s,
+                "short_mean_ttft_s": sum(ttft[1:]) / len(ttft[1:]),
+                "reuse_ttft_s": ttft[0],
                 "identical": all(
-                    c.output.requests[0].token_ids == generate(loaded, [r.prompt], config).requests[0].token_ids
-                    for c, r in zip(completions[1:], requests[1:], strict=True)
-                ) and completions[0].output.requests[0].token_ids == reference,
+                    tokens == generate(loaded, [p], config).requests[0].token_ids
+                    for tokens, (_, p) in zip(outputs[1:], arrivals[1:], strict=True)
+                ) and outputs[0] == reference,
             })
 
     meta = {

@@ -157,8 +157,9 @@ def prompts_for(tokenizer: Any, count: int, length: int, document: list[int]) ->
 def offline_lossless(args: argparse.Namespace, prompts: list[list[int]]) -> float:
     """Output tokens/s of the offline engine on `prompts` as one batch (prefill included, as the server's)."""
     from kvlab.compress import compressors
+    from kvlab.engine import generate_lossless
     from kvlab.generation import GenerationConfig
-    from kvlab.lossless import LosslessConfig, generate_lossless
+    from kvlab.lossless import LosslessConfig
 
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     drafter = compressors.create_from_strings(args.drafter, args.drafter_arg)

@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 from kvlab.cache import KVCache, Segment, forward, run_packed
 from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids
-from kvlab.generation.prefill import prefill
+from kvlab.generation.prefill import PrefillCaches, prefill
 from kvlab.models import LoadedModel, load_model
 from kvlab.models.draft_weights import draft_model
 
@@ -74,7 +74,7 @@ def main() -> None:
     document = document_token_ids(loaded.tokenizer, args.context + args.num_draft_tokens + 1)
     prompt, following = document[: args.context], document[args.context :]
     capacity = args.context + args.num_draft_tokens + 2
-    full, draft, _ = prefill(loaded, [prompt], capacity, drafter=create_compressor("snapkv", compression_ratio=0.9))
+    full, draft, _ = prefill(loaded, [prompt], PrefillCaches(capacity, drafter=create_compressor("snapkv", compression_ratio=0.9)))
     assert draft is not None
     model = loaded.model
     k = args.num_draft_tokens

@@ -24,8 +24,10 @@ CHILD = r"""
 import json, sys, torch
 from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids
-from kvlab.generation import GenerationConfig, generate
-from kvlab.lossless import LosslessConfig, generate_lossless
+from kvlab.generation import GenerationConfig
+from kvlab.engine import generate
+from kvlab.lossless import LosslessConfig
+from kvlab.engine import generate_lossless
 from kvlab.models import load_model
 context, new_tokens = int(sys.argv[1]), int(sys.argv[2])
 loaded = load_model()

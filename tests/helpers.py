@@ -165,3 +165,24 @@ def assert_identity_compression_is_bit_identical(
         actual.append(forward(loaded.model, compressed, ids[:, t : t + 1]))
     for step, (want, got) in enumerate(zip(expected, actual, strict=True)):
         assert torch.equal(want, got), f"{label}: step {step} differs"
+
+
+def decode_fetching_in_background(
+    loaded: LoadedModel, prefix: object, prompts: list[list[int]], config: object
+) -> tuple[object, list[int]]:
+    """Decode `prompts` in one engine that fetches each prefix from `prefix` in the background before
+    admitting its request (fetch-aware admission); returns the engine and the request ids."""
+    import time
+
+    from kvlab.engine import Engine, EngineConfig, Request, SinglePrefixSource
+
+    engine = Engine(loaded, EngineConfig(fetch_workers=1), SinglePrefixSource(prefix))  # type: ignore[arg-type]
+    ids = [engine.add_request(Request(prompt, config)) for prompt in prompts]  # type: ignore[arg-type]
+    try:
+        while engine.num_unfinished():
+            if not engine.has_work():
+                time.sleep(0.005)  # only fetches in flight
+            engine.step()
+    finally:
+        engine.close()
+    return engine, ids

@@ -3,7 +3,8 @@
 Quick start::
 
     from kvlab.models import load_model
-    from kvlab.generation import GenerationConfig, generate
+    from kvlab.generation import GenerationConfig
+    from kvlab.engine import generate
 
     loaded = load_model()  # the embedded SmolLM2-135M-Instruct, offline
     prompt = loaded.encode_prompt("What is a KV cache?")

@@ -44,3 +44,10 @@ class Stopwatch:
     def elapsed(self) -> float:
         synchronize(self.device)
         return time.perf_counter() - self._start
+
+
+def timestamp_s() -> float:
+    """Seconds on the monotonic clock durations are measured on, for moments taken on different threads
+    and subtracted later (a request's arrival and its tokens); it does not synchronize the device, so the
+    caller reads it after the work it dates has completed (e.g. after the tokens were copied to the host)."""
+    return time.perf_counter()

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlab.generation import GenerationConfig, generate
+from kvlab.engine import generate
+from kvlab.generation import GenerationConfig
 from kvlab.models import LoadedModel
 from kvlab.store import ChunkSealer, KVStore, create_store
 from kvlab.store.prefix import PrefixCache, PrefixConfig

@@ -6,10 +6,10 @@ import logging
 
 import pytest
 
-from kvlab.generation import generate
-from kvlab.generation.scheduler import FetchAwareScheduler, Request
+from kvlab.engine import generate
 from kvlab.models import LoadedModel
 from kvlab.store.prefix import PrefixCache
+from tests.helpers import decode_fetching_in_background
 from tests.hostile.conftest import CASES, CHUNK, CONFIG, OTHER, SECRET, VICTIM, plant, prefix_config
 
 
@@ -66,10 +66,10 @@ def test_a_writer_with_the_secret_replaces_a_planted_value(victim_model: LoadedM
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_the_scheduler_finishes_every_request_over_a_hostile_value(victim_model: LoadedModel, case: str) -> None:
+def test_fetch_aware_admission_finishes_every_request_over_a_hostile_value(victim_model: LoadedModel, case: str) -> None:
     planted = plant(victim_model, case, SECRET)
     reader = PrefixCache.for_model(victim_model, planted.store, prefix_config(), planted.sealer)
-    requests = [Request(VICTIM, CONFIG, 0.0), Request([11, 12, 13, 14], CONFIG, 0.0), Request(VICTIM, CONFIG, 0.01)]
-    completions = FetchAwareScheduler(victim_model, reader).run(requests)
-    assert [c.output.requests[0].token_ids for c in completions] == [
+    prompts = [VICTIM, [11, 12, 13, 14], VICTIM]
+    engine, ids = decode_fetching_in_background(victim_model, reader, prompts, CONFIG)
+    assert [engine.output(i).token_ids for i in ids] == [  # type: ignore[attr-defined]
         planted.expected, generate(victim_model, [[11, 12, 13, 14]], CONFIG).requests[0].token_ids, planted.expected]

@@ -10,7 +10,8 @@ import torch
 from kvlab.cache import KVCache, forward
 from kvlab.cli import main
 from kvlab.data import document_token_ids
-from kvlab.generation import GenerationConfig, generate
+from kvlab.engine import generate
+from kvlab.generation import GenerationConfig
 from kvlab.models import LoadedModel
 from tests.helpers import transformers_greedy
 

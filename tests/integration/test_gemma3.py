@@ -13,9 +13,10 @@ import torch
 
 from kvlab.compress import Compressor, create_compressor
 from kvlab.data import document_token_ids
-from kvlab.generation import GenerationConfig, GenerationStats, generate
-from kvlab.generation.prefill import prefill
-from kvlab.lossless import LosslessConfig, LosslessOutput, generate_lossless
+from kvlab.engine import generate, generate_lossless
+from kvlab.generation import GenerationConfig, GenerationStats
+from kvlab.generation.prefill import PrefillCaches, PrefixReuse, prefill
+from kvlab.lossless import LosslessConfig, LosslessOutput
 from kvlab.models import EMBEDDED_MODELS, LoadedModel, load_model
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 from tests.families import TEST_DEVICE
@@ -81,12 +82,12 @@ def test_lossless_output_equals_plain_greedy(
 
 def test_a_restored_prefix_gives_the_logits_of_recomputation(gemma: LoadedModel, prompt: list[int]) -> None:
     prefix = PrefixCache.for_model(gemma, "memory://", PrefixConfig(CHUNK, allow_recompute=False))
-    prefill(gemma, [prompt[:560]], 600, prefix=prefix)
+    prefill(gemma, [prompt[:560]], PrefillCaches(600), PrefixReuse(prefix))
     prefix.flush()
     continued = prompt[:540] + prompt[560:]  # shares two chunks, then differs
     stats = GenerationStats()
-    restored, _, logits = prefill(gemma, [continued], len(continued) + 1, prefix=prefix, stats=stats)
-    recomputed, _, expected = prefill(gemma, [continued], len(continued) + 1, chunk_tokens=CHUNK)
+    restored, _, logits = prefill(gemma, [continued], PrefillCaches(len(continued) + 1), PrefixReuse(prefix, stats=stats))
+    recomputed, _, expected = prefill(gemma, [continued], PrefillCaches(len(continued) + 1), chunk_tokens=CHUNK)
     assert stats.prefix_reused_tokens == 2 * CHUNK
     assert torch.equal(logits, expected)
     for index, (got, want) in enumerate(zip(restored.layers, recomputed.layers, strict=True)):

@@ -10,8 +10,9 @@ import torch
 from kvlab.cli import main
 from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids
-from kvlab.generation import GenerationConfig, generate
-from kvlab.lossless import LosslessConfig, generate_lossless
+from kvlab.engine import generate, generate_lossless
+from kvlab.generation import GenerationConfig
+from kvlab.lossless import LosslessConfig
 from kvlab.models import LoadedModel
 
 pytestmark = pytest.mark.integration

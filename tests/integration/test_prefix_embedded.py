@@ -12,10 +12,11 @@ import torch
 from kvlab.cli import main
 from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids
-from kvlab.generation import GenerationConfig, generate
+from kvlab.engine import generate, generate_lossless
+from kvlab.generation import GenerationConfig
 from kvlab.generation.outputs import GenerationStats
-from kvlab.generation.prefill import prefill
-from kvlab.lossless import LosslessConfig, generate_lossless
+from kvlab.generation.prefill import PrefillCaches, PrefixReuse, prefill
+from kvlab.lossless import LosslessConfig
 from kvlab.models import LoadedModel
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 
@@ -33,12 +34,12 @@ def test_fetched_prefix_then_continue_gives_the_logits_of_recompute(
     embedded_model: LoadedModel, document: list[int], redis_url: str
 ) -> None:
     prefix = PrefixCache.for_model(embedded_model, redis_url, PrefixConfig(CHUNK, allow_recompute=False))
-    prefill(embedded_model, [document[:1100]], 1200, prefix=prefix)
+    prefill(embedded_model, [document[:1100]], PrefillCaches(1200), PrefixReuse(prefix))
     prefix.close()
     prompt = document[:1030] + document[1100:1150]  # shares 4 chunks, then differs
     stats = GenerationStats()
-    cache, _, logits = prefill(embedded_model, [prompt], 1200, prefix=prefix, stats=stats)
-    expected_cache, _, expected_logits = prefill(embedded_model, [prompt], 1200, chunk_tokens=CHUNK)
+    cache, _, logits = prefill(embedded_model, [prompt], PrefillCaches(1200), PrefixReuse(prefix, stats=stats))
+    expected_cache, _, expected_logits = prefill(embedded_model, [prompt], PrefillCaches(1200), chunk_tokens=CHUNK)
     assert stats.prefix_reused_tokens == 4 * CHUNK
     assert torch.equal(logits, expected_logits)
     for layer, expected in zip(cache.layers, expected_cache.layers, strict=True):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kvlab.data import document_token_ids
-from kvlab.generation import GenerationConfig, generate
+from kvlab.engine import generate
+from kvlab.generation import GenerationConfig
 from kvlab.integrations.vllm.layouts import (
     LAYOUTS,
     CPUTransposedKeyLayout,

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from kvlab.compress import create_compressor
+from kvlab.engine import generate
 from kvlab.errors import ConfigError
-from kvlab.generation import GenerationConfig, generate
+from kvlab.generation import GenerationConfig
 from kvlab.integrations.vllm.proposer import DRAFTER_ENV, KVLabDraftProposer, drafter_from_environment
 from kvlab.models import LoadedModel
 from tests.helpers import tiny_llama

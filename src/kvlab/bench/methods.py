@@ -11,10 +11,11 @@ import dataclasses
 from typing import Any, Literal
 
 from kvlab.compress import Compressor, EvictionCompressor, compressors
+from kvlab.engine import generate, generate_lossless
 from kvlab.errors import ConfigError
-from kvlab.generation import GenerationConfig, GenerationOutput, generate
+from kvlab.generation import GenerationConfig, GenerationOutput
 from kvlab.generation.outputs import ProgressCallback
-from kvlab.lossless import LosslessConfig, generate_lossless
+from kvlab.lossless import LosslessConfig
 from kvlab.models import LoadedModel
 from kvlab.store.prefix import PrefixSource
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 import typing
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from kvlab.bench.methods import parse_method
 from kvlab.bench.presets import DEFAULT_PRESET, PRESETS
 from kvlab.bench.report import render_report
 from kvlab.bench.tasks import tasks
+from kvlab.timing import Stopwatch
 from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json
 from kvlab.cli.flags import add_config_flags, given_values
 from kvlab.errors import ConfigError
@@ -153,7 +153,7 @@ class BarCallbacks(BenchCallbacks):
         self.defaulted = defaulted
         self._bar: tqdm[Any] | None = None
         self._total = self._done = 0
-        self._started = time.monotonic()
+        self._clock = Stopwatch()
 
     def on_begin(self, config: BenchConfig) -> None:
         if self.verbose:
@@ -161,7 +161,8 @@ class BarCallbacks(BenchCallbacks):
 
     def on_start(self, model: str, total_samples: int) -> None:
         self.close()
-        self._total, self._done, self._started = total_samples, 0, time.monotonic()
+        self._total, self._done = total_samples, 0
+        self._clock.restart()
         self._bar = tqdm(
             total=total_samples, unit="sample", file=sys.stderr, disable=not self.enabled, dynamic_ncols=True, desc=model
         )
@@ -170,7 +171,7 @@ class BarCallbacks(BenchCallbacks):
         if self._bar is not None:
             self._bar.set_postfix_str(f"{task} / {method}")
         if self.verbose and not self.enabled and self._done < self._total:
-            elapsed = time.monotonic() - self._started
+            elapsed = self._clock.elapsed()
             print(progress_line(model, task, method, self._done, self._total, elapsed), file=sys.stderr, flush=True)
 
     def on_sample(self) -> None:
@@ -183,7 +184,7 @@ class BarCallbacks(BenchCallbacks):
             self._bar.close()
             self._bar = None
 
-    def __enter__(self) -> BarCallbacks:  # noqa: PYI034
+    def __enter__(self) -> BarCallbacks:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -10,9 +10,9 @@ from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json, read_pro
 from kvlab.cli.flags import add_config_flags, given_values
 from kvlab.cli.progress import TokenProgress
 from kvlab.compress import compressors
+from kvlab.engine.compare import compare_modes
 from kvlab.generation import GenerationConfig
 from kvlab.lossless import LosslessConfig, LosslessOutput
-from kvlab.lossless.compare import compare_modes
 from kvlab.models import DEFAULT_MODEL, load_model
 
 DEMO_DEFAULTS = {"max_new_tokens": 48, "full_kv_tier": "emulated:0.5"}

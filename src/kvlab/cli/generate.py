@@ -11,9 +11,10 @@ from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json, read_pro
 from kvlab.cli.flags import add_config_flags, given_values
 from kvlab.cli.progress import TextStream, TokenProgress
 from kvlab.compress import Compressor, compressors
+from kvlab.engine import generate, generate_lossless
 from kvlab.errors import ConfigError
-from kvlab.generation import GenerationConfig, GenerationOutput, generate
-from kvlab.lossless import LosslessConfig, LosslessOutput, generate_lossless
+from kvlab.generation import GenerationConfig, GenerationOutput
+from kvlab.lossless import LosslessConfig, LosslessOutput
 from kvlab.models import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 

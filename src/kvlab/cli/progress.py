@@ -39,7 +39,7 @@ class TokenProgress:
     def close(self) -> None:
         self._bar.close()
 
-    def __enter__(self) -> TokenProgress:  # noqa: PYI034
+    def __enter__(self) -> TokenProgress:
         return self
 
     def __exit__(

@@ -1,8 +1,10 @@
-"""Plain (full-KV) generation: configuration, sampling, stopping and the decode loop."""
+"""Plain decoding's pieces: configuration, sampling, stopping, prefill, outputs, feeds, and the plain
+reference decoder that equality tests compare against (`reference_generate`). Decoding itself runs
+through `kvlab.engine` (`kvlab.engine.generate`)."""
 
 from kvlab.generation.config import GenerationConfig
-from kvlab.generation.loop import decode, generate
 from kvlab.generation.outputs import GenerationOutput, GenerationStats, RequestOutput
+from kvlab.generation.reference import reference_decode, reference_generate
 from kvlab.generation.sampling import select_next_tokens, token_probabilities
 
 __all__ = [
@@ -10,8 +12,8 @@ __all__ = [
     "GenerationOutput",
     "GenerationStats",
     "RequestOutput",
-    "decode",
-    "generate",
+    "reference_decode",
+    "reference_generate",
     "select_next_tokens",
     "token_probabilities",
 ]

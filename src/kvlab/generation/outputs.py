@@ -7,9 +7,7 @@ from collections.abc import Callable
 
 from kvlab.cache import KVCache
 from kvlab.cache.tiers import TierStats
-from kvlab.generation.rows import BatchRows
 from kvlab.generation.stopping import StopReason
-from kvlab.models import LoadedModel
 from kvlab.store.prefix import FetchStats
 
 ProgressCallback = Callable[[int], None]
@@ -92,14 +90,6 @@ class GenerationOutput:
 
     requests: list[RequestOutput]
     stats: GenerationStats
-
-
-def collect_requests(loaded: LoadedModel, prompts: list[list[int]], rows: BatchRows) -> list[RequestOutput]:
-    """The per-request outputs once every row has stopped."""
-    return [
-        RequestOutput(prompt, tokens, rows.checkers[request].final_text(loaded.decode(tokens)), rows.reason(request))
-        for request, (prompt, tokens) in enumerate(zip(prompts, rows.generated))
-    ]
 
 
 def finish_timing(stats: GenerationStats, total_s: float, num_rows: int) -> None:

@@ -1,10 +1,13 @@
 """Prefill: each prompt on its own, optionally restored in part from a prefix store, then stacked.
 
-`PromptPrefill` is one prompt's prefill cut into steps, for a server that interleaves it with decoding.
+`PromptPrefill` is one prompt's prefill cut into steps, for an engine that interleaves it with decoding.
+`PrefillCaches` says which caches it fills, `PrefixReuse` what a prefix store restores and keeps.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 
 import torch
@@ -33,65 +36,88 @@ def check_prompts(loaded: LoadedModel, prompts: list[list[int]], max_new_tokens:
             )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillCaches:
+    """The caches a prompt's prefill fills.
+
+    Attributes:
+        capacity: Tokens each row must hold (prompt, new tokens, drafts).
+        compressor: Compresses the prompt's cache after its last piece (lossy decoding); None keeps it full.
+        drafter: Also fill a second cache that this compressor compresses (the draft cache of lossless
+            decoding) from the same forwards; the first cache then stays full.
+    """
+
+    capacity: int
+    compressor: Compressor | None = None
+    drafter: Compressor | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefixReuse:
+    """A prefix store's part in a prefill: leading chunks restored from it, computed chunks saved to it.
+
+    Attributes:
+        source: The store.
+        resolutions: Restore at these resolutions (None: the store's configured ones).
+        fetched: The prompt's prefix, already fetched (e.g. in the background while others decoded);
+            None fetches it at the start of the prefill.
+        stats: Where restored tokens and fetch records are counted.
+    """
+
+    source: PrefixSource
+    resolutions: tuple[str, ...] | None = None
+    fetched: FetchedPrefix | None = None
+    stats: GenerationStats | None = None
+
+
 def prefill(
     loaded: LoadedModel,
     prompts: list[list[int]],
-    capacity: int,
-    compressor: Compressor | None = None,
-    drafter: Compressor | None = None,
-    prefix: PrefixSource | None = None,
-    stats: GenerationStats | None = None,
-    prefix_resolutions: tuple[str, ...] | None = None,
+    caches: PrefillCaches,
+    reuse: PrefixReuse | None = None,
     chunk_tokens: int | None = None,
 ) -> tuple[KVCache, KVCache | None, torch.Tensor]:
     """Prefill every prompt on its own (no padding), then stack the rows into one batch cache.
 
-    The prompt's own attention is always exact. With `compressor`, each layer compresses the prompt
-    right after attending over it. With `drafter`, the same forward also gives each layer's prompt KV
-    to a second cache that `drafter` compresses (the draft cache of lossless decoding); the first
-    cache then stays full. With `prefix`, each prompt's leading chunks are restored from a prefix
-    store first (into both caches, at `prefix_resolutions` or the store's configured ones) and the
-    rest is computed chunk by chunk and saved.
+    The prompt's own attention is always exact. With `caches.compressor`, each layer compresses the
+    prompt right after attending over it. With `caches.drafter`, the same forward also gives each
+    layer's prompt KV to a second cache that the drafter compresses (the draft cache of lossless
+    decoding). With `reuse`, each prompt's leading chunks are restored from a prefix store first (into
+    both caches) and the rest is computed chunk by chunk and saved.
 
-    Prefill runs in forwards cut at multiples of `chunk_tokens` (the store's chunk size with `prefix`;
+    Prefill runs in forwards cut at multiples of `chunk_tokens` (the store's chunk size with `reuse`;
     one forward when None). Kernels pick their blocking by input length, so the same tokens computed
     in forwards of other lengths may differ in their last bits: cutting at fixed boundaries makes a
     chunk's KV the same whichever prompt computed it, and a restored chunk exactly what recomputing
     it gives. Compressors see the prompt once, after the last piece.
 
     Returns:
-        The batch cache, the draft cache (None without `drafter`), and [B, V] logits of each prompt's
+        The batch cache, the draft cache (None without a drafter), and [B, V] logits of each prompt's
         last position.
     """
-    caches, drafts, last_logits = [], [], []
+    rows, drafts, last_logits = [], [], []
     for prompt in prompts:
-        job = PromptPrefill(
-            loaded, prompt, capacity, compressor, drafter, prefix, stats, prefix_resolutions, chunk_tokens
-        )
+        job = PromptPrefill(loaded, prompt, caches, reuse, chunk_tokens)
         while not job.done:
             job.step()
         assert job.logits is not None
         last_logits.append(job.logits)
-        caches.append(job.cache)
+        rows.append(job.cache)
         if job.draft is not None:
             drafts.append(job.draft)
-    draft_cache = _stack(drafts, capacity) if drafts else None
-    return _stack(caches, capacity), draft_cache, torch.cat(last_logits)
+    draft_cache = _stack(drafts, caches.capacity) if drafts else None
+    return _stack(rows, caches.capacity), draft_cache, torch.cat(last_logits)
 
 
 class PromptPrefill:
     """One prompt's prefill, one piece per `step()`, so a server can decode other requests in between.
 
-    The constructor allocates the prompt's cache (and draft cache with `drafter`) and restores its
+    The constructor allocates the prompt's cache (and draft cache with a drafter) and restores its
     stored prefix; each `step()` then computes the next piece (see `prefill` for how pieces are cut
     and why). Pieces are the same whether they run back to back or interleaved with other forwards.
 
-    Args:
-        fetched: The prompt's prefix, already fetched from `prefix` (e.g. in the background while other
-            requests decoded); None fetches it now. Chunks computed here are saved to `prefix` either way.
-
     Attributes:
-        cache: [1 row] the prompt's KV (compressed after the last piece with `compressor`).
+        cache: [1 row] the prompt's KV (compressed after the last piece with a compressor).
         draft: [1 row] the drafter's compressed copy, or None.
         logits: [1, V] logits of the prompt's last position, once `done`.
         reused_tokens: Prompt tokens restored from the store instead of computed.
@@ -101,15 +127,11 @@ class PromptPrefill:
         self,
         loaded: LoadedModel,
         prompt: list[int],
-        capacity: int,
-        compressor: Compressor | None = None,
-        drafter: Compressor | None = None,
-        prefix: PrefixSource | None = None,
-        stats: GenerationStats | None = None,
-        prefix_resolutions: tuple[str, ...] | None = None,
+        caches: PrefillCaches,
+        reuse: PrefixReuse | None = None,
         chunk_tokens: int | None = None,
-        fetched: FetchedPrefix | None = None,
     ) -> None:
+        prefix = None if reuse is None else reuse.source
         if prefix is not None:
             if chunk_tokens not in (None, prefix.chunk_tokens):
                 raise ConfigError(
@@ -118,17 +140,15 @@ class PromptPrefill:
             chunk_tokens = prefix.chunk_tokens
         self.loaded = loaded
         self.prompt = prompt
-        self.compressor = compressor
+        self.compressor = caches.compressor
         self.prefix = prefix
-        self.cache = KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device, compressor)
-        self.draft: KVCache | None = None
-        if drafter is not None:
-            self.draft = KVCache.allocate(loaded.architecture, 1, capacity, loaded.dtype, loaded.device, drafter)
+        allocate = functools.partial(KVCache.allocate, loaded.architecture, 1, caches.capacity, loaded.dtype, loaded.device)
+        self.cache = allocate(caches.compressor)
+        self.draft = None if caches.drafter is None else allocate(caches.drafter)
         self.reused_tokens = 0
-        if prefix is not None:
-            if fetched is None:
-                fetched = prefix.fetch(prompt, prefix_resolutions)
-            self.reused_tokens = _restore_prefix(fetched, [self.cache, self.draft], loaded.device, stats)
+        if reuse is not None:
+            fetched = reuse.fetched if reuse.fetched is not None else reuse.source.fetch(prompt, reuse.resolutions)
+            self.reused_tokens = _restore_prefix(fetched, [self.cache, self.draft], loaded.device, reuse.stats)
         self.pieces = prefill_pieces(self.reused_tokens, len(prompt), chunk_tokens)
         self.logits: torch.Tensor | None = None
 

@@ -1,48 +1,37 @@
-"""The serving engine: one thread runs a continuous batch that requests join and leave between ticks.
+"""The serving engine: one thread drives a `kvlab.engine.Engine` that requests join and leave between ticks.
 
-Each loop iteration of the engine thread:
-1. admits ready requests while the batch has room (`max_num_seqs` prefilling or decoding);
-2. drops cancelled requests (their caches go with them);
-3. prefills one piece of the oldest prefilling request (`prefill_chunk_tokens`), so a long prompt
-   never stalls the streams of running requests for more than one piece;
-4. runs one tick of the `LosslessRun`, which packs every running request into one forward: lossless
-   requests draft and verify on their own schedule, plain and lossy ones take one token per tick.
+HTTP handlers `submit` requests and `cancel` them from their own threads; both only touch queues under
+a lock. The engine thread moves new requests into the engine, drops cancelled ones, runs one
+`Engine.step` (admission, one prefill piece, one decoding tick) and sends each finished request its
+last event. The engine interleaves prefill with decoding, so a long prompt never stalls the streams of
+running requests for more than one piece.
 
-Fetch-aware admission: with a prefix store, a new request first goes to a fetch worker, which looks
-its prefix up and fetches it; only then is it ready. Requests with nothing to fetch, or whose fetch
-has landed, are admitted meanwhile, so a fetch overlaps the others' decoding and never blocks the
-head of the queue. A store that fails costs the request its reuse, never its completion.
+Fetch-aware admission: with a prefix store, the engine fetches each request's prefix on background
+workers and admits it once its KV has landed; requests with nothing to fetch are admitted meanwhile,
+so a fetch overlaps the others' decoding and never blocks the head of the queue. A store that fails
+costs the request its reuse, never its completion.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
+from kvlab.engine import Engine, EngineCallbacks, EngineConfig, Request
 from kvlab.errors import KvlabError
-from kvlab.generation.config import GenerationConfig
-from kvlab.generation.prefill import PromptPrefill
 from kvlab.lossless.config import LosslessConfig
-from kvlab.lossless.engine import EXACT, admit_prefilled
-from kvlab.lossless.run import LosslessRun
-from kvlab.lossless.stats import LosslessStats
 from kvlab.models import LoadedModel
 from kvlab.serve.config import ServeConfig
 from kvlab.serve.metrics import ServeMetrics
 from kvlab.serve.prefixes import SaltedPrefixes
 from kvlab.serve.request import FailedEvent, FinishedEvent, ServeRequest, TokensEvent
+from kvlab.timing import timestamp_s
 
 logger = logging.getLogger(__name__)
-
-# Aggregate round statistics of the run grow per round; the engine reads per-sequence ones, so the
-# run's are reset past this many rounds (bounded memory in a long-lived server).
-MAX_RUN_ROUNDS = 1 << 16
-# An idle run that has seen this many requests is replaced, dropping its per-request slots.
-MAX_RUN_REQUESTS = 1 << 12
 
 
 class ServerBusyError(KvlabError):
@@ -54,14 +43,14 @@ class EngineClosedError(KvlabError):
 
 
 class ServeEngine:
-    """Continuous batching over one model (see the module docstring).
+    """Continuous batching over one model for a server (see the module docstring).
 
     Args:
         loaded: The model.
-        config: Limits, prefill piece size, draft weights and the prefix store.
+        config: Limits, prefill piece size and the prefix store.
+        default_lossless: Settings lossless requests start from (drafter and draft length are per request).
         metrics: Updated as requests move through (a private set when None).
         on_failure: Called once if the engine thread itself fails (the server then exits non-zero).
-        default_lossless: Settings lossless requests start from (drafter and draft length are per request).
     """
 
     def __init__(
@@ -73,23 +62,27 @@ class ServeEngine:
         on_failure: Callable[[], None] | None = None,
     ) -> None:
         self.loaded = loaded
-        self.on_failure = on_failure
-        self.failure: str | None = None
         self.config = config
         self.default_lossless = default_lossless
         self.metrics = metrics or ServeMetrics(loaded.name)
+        self.on_failure = on_failure
+        self.failure: str | None = None
         self.prefixes = None
         if config.prefix_store is not None:
             self.prefixes = SaltedPrefixes(loaded, config.prefix_store, config.prefix_chunk_tokens, config.max_cache_salts)
-        self.run = self._new_run()
         self._cond = threading.Condition()
-        self._fetching: set[ServeRequest] = set()
-        self._ready: collections.deque[ServeRequest] = collections.deque()
-        self._prefilling: collections.deque[tuple[int, ServeRequest, PromptPrefill | None]] = collections.deque()
-        self._running: dict[int, ServeRequest] = {}
+        self._incoming: collections.deque[ServeRequest] = collections.deque()
+        self._requests: dict[int, ServeRequest] = {}  # by engine id; read and written by the engine thread
+        self._num_in_system = 0
         self._closing = False
         self._stopped = False
-        self._fetch_pool = ThreadPoolExecutor(max_workers=config.fetch_workers, thread_name_prefix="kvlab-serve-fetch")
+        callbacks = EngineCallbacks(
+            on_tokens=self._on_tokens, on_prefill_started=self._on_prefill_started,
+            on_prefill_piece=self._on_prefill_piece, on_fetched=self._wake,
+        )
+        engine_config = EngineConfig(config.max_num_seqs, interleave_prefill=True,
+                                     fetch_workers=config.fetch_workers if self.prefixes is not None else 0)
+        self.engine = Engine(loaded, engine_config, self.prefixes, callbacks)
         self._thread = threading.Thread(target=self._loop, name="kvlab-serve-engine", daemon=True)
         self._thread.start()
 
@@ -100,26 +93,22 @@ class ServeEngine:
 
         Raises:
             ServerBusyError: `max_num_seqs + max_queued_requests` requests are already in the system.
-            EngineClosedError: The engine is shutting down.
+            EngineClosedError: The engine is shutting down, or has failed.
         """
         with self._cond:
             if self.failure is not None:
                 raise EngineClosedError(f"the engine failed ({self.failure}); the server is stopping")
             if self._closing:
                 raise EngineClosedError("the server is shutting down")
-            in_system = len(self._fetching) + len(self._ready) + len(self._prefilling) + len(self._running)
-            if in_system >= self.config.max_num_seqs + self.config.max_queued_requests:
+            if self._num_in_system >= self.config.max_num_seqs + self.config.max_queued_requests:
                 raise ServerBusyError(
                     f"the server is at capacity ({self.config.max_num_seqs} running, "
                     f"{self.config.max_queued_requests} queued); retry later"
                 )
-            if self.prefixes is None:
-                self._ready.append(request)
-                self._cond.notify()
-            else:
-                self._fetching.add(request)
-                self._fetch_pool.submit(self._fetch, request)
-            self._update_gauges()
+            self._num_in_system += 1
+            self._incoming.append(request)
+            self.metrics.waiting.inc()
+            self._cond.notify()
 
     def cancel(self, request: ServeRequest) -> None:
         """Drop `request` at the engine's next tick (its client went away); no further events."""
@@ -137,19 +126,10 @@ class ServeEngine:
         while self._thread.is_alive() and time.monotonic() < deadline and self.num_in_system():
             time.sleep(0.02)
         with self._cond:
-            waiting = [*self._fetching, *self._ready, *(entry[1] for entry in self._prefilling)]
-            for request in [*waiting, *self._running.values()]:
-                if not request.cancelled:
-                    request.cancelled = True
-                    request.sink(FailedEvent("the server shut down before the request finished"))
-            self._cond.notify()
-        self._fetch_pool.shutdown(wait=True, cancel_futures=True)
-        with self._cond:
-            self._fetching.clear()  # fetches cancelled before they ran; their requests were told above
-            self._ready.clear()
             self._stopped = True
             self._cond.notify()
         self._thread.join()
+        self.engine.close()
         if self.prefixes is not None:
             self.prefixes.close()
 
@@ -158,170 +138,84 @@ class ServeEngine:
         """Shutting down: no new requests are taken."""
         return self._closing
 
+    @property
+    def healthy(self) -> bool:
+        """The engine has not failed and its thread runs (or ended in a requested shutdown)."""
+        return self.failure is None and (self._thread.is_alive() or self._stopped)
+
     def num_in_system(self) -> int:
         with self._cond:
-            return len(self._fetching) + len(self._ready) + len(self._prefilling) + len(self._running)
-
-    # ----- fetch workers
-
-    def _fetch(self, request: ServeRequest) -> None:
-        assert self.prefixes is not None
-        self.metrics.fetching.inc()
-        try:
-            if not request.cancelled:
-                request.fetched = self.prefixes.fetch(request.cache_salt, request.prompt)
-        finally:
-            self.metrics.fetching.dec()
-            with self._cond:
-                self._fetching.discard(request)
-                self._ready.append(request)
-                self._cond.notify()
+            return self._num_in_system
 
     # ----- the engine thread
 
     def _loop(self) -> None:
         try:
-            self._serve_until_stopped()
-        except BaseException as error:  # noqa: BLE001 - a dead engine must fail its requests, not hang them
+            while self._tick():
+                pass
+        except BaseException as error:  # a dead engine must fail its requests, not hang them
             logger.exception("the engine thread failed; failing every request and refusing new ones")
             self._die(f"{type(error).__name__}: {error}")
 
-    def _die(self, reason: str) -> None:
-        """Fail every request in the system and refuse new ones: the engine thread is gone."""
+    def _tick(self) -> bool:
+        """One round of the engine thread; False once stopped."""
         with self._cond:
-            self.failure = reason
-            self._closing = True
-            waiting = [*self._fetching, *self._ready, *(entry[1] for entry in self._prefilling), *self._running.values()]
-            self._fetching.clear()
-            self._ready.clear()
-            self._prefilling.clear()
-            self._running.clear()
-        for request in waiting:
-            if not request.cancelled:
-                request.cancelled = True
-                self._fail(request, f"the engine failed: {reason}")
-        if self.on_failure is not None:
-            self.on_failure()
-
-    @property
-    def healthy(self) -> bool:
-        """The engine thread is alive and has not failed."""
-        return self.failure is None and self._thread.is_alive()
-
-    def _serve_until_stopped(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._ready or self._prefilling or self.run.sequences or self._stopped):
-                    self._cond.wait()
-                if self._stopped and not (self._prefilling or self._running):
-                    return
-                self._admit()
-            self._drop_cancelled()
-            if self._prefilling:
-                self._prefill_step()
-            if self.run.sequences:
-                self._decode_step()
-            self._recycle_run()
-
-    def _admit(self) -> None:
-        """Move ready requests into prefill while the batch has room (caller holds the lock)."""
-        while self._ready and len(self._prefilling) + len(self._running) < self.config.max_num_seqs:
-            request = self._ready.popleft()
-            if request.cancelled:
-                self.metrics.failed("cancelled")
-                continue
-            try:
-                index = self.run.add_request(request.config, request.lossless)
-            except Exception as error:  # noqa: BLE001 - one request's failure is that request's alone
-                logger.exception("admitting a request failed")
-                self._fail(request, f"admission failed: {type(error).__name__}: {error}")
-                continue
-            request.prefill_start_s = time.perf_counter()
-            self._prefilling.append((index, request, None))
+            while not (self._incoming or self._stopped or self.engine.has_work() or self._any_cancelled()):
+                self._cond.wait(timeout=None if not self.engine.num_fetching() else 0.05)
+            incoming, self._incoming = list(self._incoming), collections.deque()
+            stopped = self._stopped
+        if stopped:
+            self._fail_all("the server shut down before the request finished", incoming)
+            return False
+        for request in incoming:
+            self._admit(request)
+        self._drop_cancelled()
+        if self.engine.has_work():
+            self._deliver(self.engine.step())
         self._update_gauges()
+        return True
+
+    def _admit(self, request: ServeRequest) -> None:
+        if request.cancelled:
+            self._leave(request, "cancelled")
+            return
+        # Prefill pieces are the server's (a prefix store's chunks when it has one).
+        pieces = None if self.prefixes is not None else self.config.prefill_chunk_tokens
+        compressor = request.compressor if request.mode == "lossy" else None
+        try:
+            config = dataclasses.replace(request.config, prefill_chunk_tokens=pieces)
+            request_id = self.engine.add_request(Request(request.prompt, config, compressor, request.lossless,
+                                                         request.cache_salt))
+        except Exception as error:  # one request's failure is that request's alone
+            logger.exception("admitting a request failed")
+            self._leave(request, "error", FailedEvent(f"admission failed: {type(error).__name__}: {error}"))
+            return
+        request.engine_id = request_id
+        self._requests[request_id] = request
 
     def _drop_cancelled(self) -> None:
-        with self._cond:
-            for entry in [e for e in self._prefilling if e[1].cancelled]:
-                self._prefilling.remove(entry)
-                self.run.release(entry[0])
-                self.metrics.failed("cancelled")
-            for index, request in [item for item in self._running.items() if item[1].cancelled]:
-                del self._running[index]
-                self.run.cancel(index)
-                self.metrics.failed("cancelled")
-            self._update_gauges()
+        for request_id, request in list(self._requests.items()):
+            if request.cancelled:
+                self.engine.cancel(request_id)
+                self.engine.release(request_id)
+                del self._requests[request_id]
+                self._leave(request, "cancelled")
 
-    def _prefill_step(self) -> None:
-        index, request, job = self._prefilling[0]
-        try:
-            if job is None:
-                job = self._start_prefill(index, request)
-                self._prefilling[0] = (index, request, job)
-            self.metrics.prefix_recomputed_tokens.inc(job.next_piece_tokens)
-            job.step()
-            if not job.done:
-                return
-            with self._cond:
-                self._prefilling.popleft()
-                self._running[index] = request
-            assert job.logits is not None
-            draft = job.draft if request.mode == "lossless" else None
-            admit_prefilled(self.run, index, request.prompt, (job.cache, draft, job.logits))
-            admitted = self.run.sequences[-1] if self.run.sequences else None
-            if draft is not None and admitted is not None and admitted.request == index:
-                request.rounds = admitted.stats  # updated in place by every round of the sequence
-        except Exception as error:
-            logger.exception("prefill of a request failed")
-            with self._cond:
-                if self._prefilling and self._prefilling[0][1] is request:
-                    self._prefilling.popleft()
-                self._running.pop(index, None)
-            self.run.cancel(index)
-            self._fail(request, f"prefill failed: {type(error).__name__}: {error}")
-            return
-        self._collect_finished()
-
-    def _start_prefill(self, index: int, request: ServeRequest) -> PromptPrefill:
-        prefix = None if self.prefixes is None else self.prefixes.get(request.cache_salt)
-        lossless = request.mode == "lossless"
-        job = PromptPrefill(
-            self.loaded,
-            request.prompt,
-            self.run.capacity(request.prompt, index),
-            compressor=request.compressor if request.mode == "lossy" else None,
-            drafter=request.compressor if lossless else None,
-            prefix=prefix,
-            prefix_resolutions=EXACT if lossless else None,
-            chunk_tokens=None if prefix is not None else self.config.prefill_chunk_tokens,
-            fetched=request.fetched,
-        )
-        request.fetched = None  # restored into the caches; the transfer buffers can go
-        self.metrics.prompt_tokens.inc(len(request.prompt))
-        self.metrics.prefix_fetched_tokens.inc(job.reused_tokens)
-        request.cached_tokens = job.reused_tokens
-        return job
-
-    def _decode_step(self) -> None:
-        try:
-            self.run.step()
-        except Exception as error:
-            logger.exception("a decoding step failed; failing the running requests")
-            with self._cond:
-                failed = list(self._running.items())
-                self._running.clear()
-            for index, request in failed:
-                self.run.cancel(index)
-                self._fail(request, f"decoding failed: {type(error).__name__}: {error}")
-            return
-        self._collect_finished()
-        if self.run.lossless_stats.rounds > MAX_RUN_ROUNDS:
-            self.run.lossless_stats = LosslessStats()
-
-    def _collect_finished(self) -> None:
-        finished = [(i, r) for i, r in self._running.items() if self.run.rows.reasons[i] is not None]
-        for index, request in finished:
-            output = self.run.output(index)
+    def _deliver(self, finished_ids: list[int]) -> None:
+        """Send each stopped request its last event and forget it."""
+        for request_id in finished_ids:
+            request = self._requests.pop(request_id, None)
+            error = self.engine.error(request_id)
+            output = self.engine.output(request_id)
+            request_rounds = self.engine.round_stats(request_id)
+            self.engine.release(request_id)
+            if request is None:
+                continue
+            if error is not None:
+                logger.error("a request failed: %s: %s", type(error).__name__, error, exc_info=error)
+                self._leave(request, "error", FailedEvent(f"the request failed: {type(error).__name__}: {error}"))
+                continue
+            request.rounds = request_rounds
             stats = request.finish_stats(len(output.token_ids))
             if request.last_token_s is not None:
                 self.metrics.e2e.observe(request.last_token_s - request.arrival_s)
@@ -329,24 +223,67 @@ class ServeEngine:
                 self.metrics.num_drafts.inc(request.rounds.rounds)
                 self.metrics.num_draft_tokens.inc(request.rounds.num_draft_tokens)
                 self.metrics.num_accepted_tokens.inc(request.rounds.num_accepted_tokens)
-            with self._cond:
-                del self._running[index]
-                self._update_gauges()
-            self.run.release(index)
             self.metrics.finished("stop" if output.stop_reason in ("eos", "stop_string") else output.stop_reason)
-            request.sink(FinishedEvent(output, stats))
+            self._leave(request, None, FinishedEvent(output, stats))
 
-    def _fail(self, request: ServeRequest, message: str) -> None:
-        self.metrics.failed("error")
-        request.sink(FailedEvent(message))
+    def _leave(self, request: ServeRequest, failure: str | None, event: FinishedEvent | FailedEvent | None = None) -> None:
+        """`request` is out of the system: count it, then send its last event (none when cancelled)."""
+        if failure is not None:
+            self.metrics.failed(failure)
         with self._cond:
-            self._update_gauges()
+            self._num_in_system -= 1
+        if event is not None:
+            request.sink(event)
 
-    def _on_tokens(self, index: int, tokens: list[int]) -> None:
-        request = self._running.get(index)
+    def _fail_all(self, message: str, incoming: list[ServeRequest]) -> None:
+        requests = [*incoming, *self._requests.values()]
+        for request_id in list(self._requests):
+            self.engine.cancel(request_id)
+            self.engine.release(request_id)
+        self._requests.clear()
+        for request in requests:
+            cancelled, request.cancelled = request.cancelled, True
+            self._leave(request, None if cancelled else "error", None if cancelled else FailedEvent(message))
+
+    def _die(self, reason: str) -> None:
+        """Fail every request in the system and refuse new ones: the engine thread is gone."""
+        with self._cond:
+            self.failure = reason
+            self._closing = True
+            incoming, self._incoming = list(self._incoming), collections.deque()
+        requests = [*incoming, *self._requests.values()]
+        self._requests.clear()
+        for request in requests:
+            if not request.cancelled:
+                request.cancelled = True
+                self._leave(request, "error", FailedEvent(f"the engine failed: {reason}"))
+        if self.on_failure is not None:
+            self.on_failure()
+
+    def _any_cancelled(self) -> bool:
+        return any(request.cancelled for request in self._requests.values())
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    # ----- engine callbacks (on the engine thread)
+
+    def _on_prefill_started(self, request_id: int) -> None:
+        request = self._requests[request_id]
+        request.prefill_start_s = timestamp_s()
+        request.cached_tokens = self.engine.reused_tokens(request_id)
+        self.metrics.prompt_tokens.inc(len(request.prompt))
+        self.metrics.prefix_fetched_tokens.inc(request.cached_tokens)
+
+    def _on_prefill_piece(self, request_id: int, num_tokens: int) -> None:
+        self.metrics.prefix_recomputed_tokens.inc(num_tokens)
+
+    def _on_tokens(self, request_id: int, tokens: list[int]) -> None:
+        request = self._requests.get(request_id)
         if request is None:
             return
-        now = time.perf_counter()
+        now = timestamp_s()
         if request.first_token_s is None:
             request.first_token_s = now
             self.metrics.ttft.observe(now - request.arrival_s)
@@ -360,14 +297,9 @@ class ServeEngine:
         self.metrics.generation_tokens.inc(len(tokens))
         request.sink(TokensEvent(list(tokens)))
 
-    def _new_run(self) -> LosslessRun:
-        return LosslessRun(self.loaded, GenerationConfig(), self.default_lossless, 0, on_tokens=self._on_tokens)
-
-    def _recycle_run(self) -> None:
-        with self._cond:
-            if not self._running and not self._prefilling and len(self.run.rows.generated) > MAX_RUN_REQUESTS:
-                self.run = self._new_run()
-
     def _update_gauges(self) -> None:
-        self.metrics.running.set(len(self._prefilling) + len(self._running))
-        self.metrics.waiting.set(len(self._fetching) + len(self._ready))
+        with self._cond:
+            incoming = len(self._incoming)
+        self.metrics.running.set(self.engine.num_running())
+        self.metrics.waiting.set(incoming + self.engine.num_unfinished() - self.engine.num_running())
+        self.metrics.fetching.set(self.engine.num_fetching())

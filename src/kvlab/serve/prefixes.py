@@ -8,7 +8,7 @@ import threading
 
 from kvlab.models import LoadedModel
 from kvlab.store.base import KVStore, create_store
-from kvlab.store.prefix import FetchedPrefix, FetchStats, PrefixCache, PrefixConfig
+from kvlab.store.prefix import PrefixCache, PrefixConfig
 
 logger = logging.getLogger(__name__)
 
@@ -43,18 +43,6 @@ class SaltedPrefixes:
             _close(evicted)
         return cache
 
-    def fetch(self, salt: str | None, prompt: list[int]) -> FetchedPrefix:
-        """The prompt's stored leading chunks (bit-exact only), or nothing. Never raises: a store that
-        fails means the prompt is computed in full."""
-        try:
-            cache = self.get(salt)
-            if not cache.lookup(prompt, limit=1):
-                return FetchedPrefix([], FetchStats())
-            return cache.fetch(prompt)
-        except Exception as error:  # noqa: BLE001 - a failing store never fails the request
-            logger.warning("prefix fetch failed (%s: %s); computing the whole prompt", type(error).__name__, error)
-            return FetchedPrefix([], FetchStats(failure=f"{type(error).__name__}: {error}", faults=1))
-
     def close(self) -> None:
         """Finish every pending write (failures are logged, never raised: shutdown goes on)."""
         with self._lock:
@@ -67,5 +55,5 @@ class SaltedPrefixes:
 def _close(cache: PrefixCache) -> None:
     try:
         cache.close()
-    except Exception as error:  # noqa: BLE001 - saving is best effort
+    except Exception as error:  # saving is best effort
         logger.warning("writing prefix chunks failed at close (%s: %s)", type(error).__name__, error)

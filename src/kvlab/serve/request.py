@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +12,7 @@ from kvlab.generation.outputs import RequestOutput
 from kvlab.lossless.config import LosslessConfig
 from kvlab.lossless.stats import LosslessStats
 from kvlab.serve.config import Mode
-from kvlab.store.prefix import FetchedPrefix
+from kvlab.timing import timestamp_s
 
 
 @dataclasses.dataclass(slots=True)
@@ -94,12 +93,12 @@ class ServeRequest:
         lossless: Draft settings (lossless mode only).
         cache_salt: Prefix-store namespace.
         sink: Where its events go.
-        arrival_s: `time.perf_counter()` at arrival.
-        fetched: Its prefix, fetched in the background before prefill (None: nothing was fetched).
+        arrival_s: `kvlab.timing.timestamp_s()` at arrival.
+        engine_id: Its id in the engine, once admitted to it.
         cancelled: The client went away; the engine drops the request at its next tick.
         cached_tokens: Prompt tokens restored from the prefix store.
         rounds: The lossless sequence's own round statistics, once it decodes.
-        prefill_start_s, first_token_s, last_token_s: `time.perf_counter()` at those moments.
+        prefill_start_s, first_token_s, last_token_s: `kvlab.timing.timestamp_s()` at those moments.
         num_tokens: Tokens sent so far.
     """
 
@@ -110,8 +109,8 @@ class ServeRequest:
     lossless: LosslessConfig | None
     cache_salt: str | None
     sink: EventSink
-    arrival_s: float = dataclasses.field(default_factory=time.perf_counter)
-    fetched: FetchedPrefix | None = None
+    arrival_s: float = dataclasses.field(default_factory=timestamp_s)
+    engine_id: int | None = None
     cancelled: bool = False
     cached_tokens: int = 0
     rounds: LosslessStats | None = None

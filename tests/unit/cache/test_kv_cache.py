@@ -143,11 +143,11 @@ def test_unused_slots_hold_finite_values_so_masked_attention_stays_finite() -> N
 def test_prefill_in_fixed_chunks_gives_a_chunk_the_same_bits_in_any_prompt(tiny_model: LoadedModel) -> None:
     """Kernels block by input length, so one forward over a longer prompt may change a token's last
     bits; cut at fixed boundaries, a chunk's KV does not depend on what follows it."""
-    from kvlab.generation.prefill import prefill
+    from kvlab.generation.prefill import PrefillCaches, prefill
 
     shared = [(11 * i + 5) % 90 + 3 for i in range(48)]
     caches = [
-        prefill(tiny_model, [shared + tail], 80, chunk_tokens=16)[0]
+        prefill(tiny_model, [shared + tail], PrefillCaches(80), chunk_tokens=16)[0]
         for tail in ([7], [9, 4, 33, 17, 60, 61, 62, 5, 6], [8] * 20)
     ]
     for layers in zip(*(cache.layers for cache in caches), strict=True):

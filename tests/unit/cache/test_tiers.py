@@ -20,9 +20,10 @@ from kvlab.cache.tiers import (
     request_loads,
 )
 from kvlab.compress import create_compressor
+from kvlab.engine import generate, generate_lossless
 from kvlab.errors import ConfigError
-from kvlab.generation import GenerationConfig, generate
-from kvlab.lossless import LosslessConfig, generate_lossless
+from kvlab.generation import GenerationConfig
+from kvlab.lossless import LosslessConfig
 from tests.helpers import tiny_llama
 
 TIERS = ["host", "disk", "emulated:5"]

@@ -128,14 +128,14 @@ def test_reading_a_mistyped_file_store_is_a_usage_error_and_creates_nothing(
 
 def _filled_prefix_store(url: str) -> list[str]:
     """Keys of the chunks a tiny model's prefill saved to `url`."""
-    from kvlab.generation.prefill import prefill
+    from kvlab.generation.prefill import PrefillCaches, PrefixReuse, prefill
     from kvlab.store.prefix import PrefixCache, PrefixConfig
     from tests.helpers import tiny_llama
 
     model = tiny_llama(num_kv_heads=2, seed=3)
     prompt = [(7 * i + 3) % 90 + 3 for i in range(50)]
     prefix = PrefixCache.for_model(model, url, PrefixConfig(chunk_tokens=16, allow_recompute=False))
-    prefill(model, [prompt], 64, prefix=prefix)
+    prefill(model, [prompt], PrefillCaches(64), PrefixReuse(prefix))
     prefix.close()
     return prefix.keys(prompt, "exact")
 

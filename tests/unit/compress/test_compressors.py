@@ -11,8 +11,9 @@ import torch
 from kvlab.cache import KVCache, forward
 from kvlab.compress import CompressionContext, compressors, create_compressor
 from kvlab.compress.turboquant import _dequantize_mse, _quantize_mse, lloyd_max_codebook
+from kvlab.engine import generate
 from kvlab.errors import ConfigError
-from kvlab.generation import GenerationConfig, generate
+from kvlab.generation import GenerationConfig
 from kvlab.quant.packing import pack_codes, unpack_codes
 from tests.helpers import assert_identity_compression_is_bit_identical, tiny_llama
 from tests.reference import eviction as ref_eviction

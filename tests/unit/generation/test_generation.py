@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvlab.engine import generate
 from kvlab.errors import ConfigError
-from kvlab.generation import GenerationConfig, generate, token_probabilities
+from kvlab.generation import GenerationConfig, token_probabilities
 from kvlab.models import LoadedModel
 from tests.helpers import tiny_llama, transformers_greedy
 

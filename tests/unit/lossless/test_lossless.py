@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from kvlab.compress import compressors, create_compressor
+from kvlab.engine import generate_lossless
 from kvlab.errors import ConfigError
-from kvlab.generation import GenerationConfig, generate
-from kvlab.lossless import LosslessConfig, generate_lossless, greedy_accept, rejection_sample
+from kvlab.generation import GenerationConfig, reference_generate
+from kvlab.lossless import LosslessConfig, greedy_accept, rejection_sample
 from kvlab.lossless.draft_length import DraftLengthController, StepCosts
 from tests.helpers import tiny_llama
 
@@ -38,7 +39,7 @@ def test_greedy_output_equals_plain_decoding(name: str, draft_length: int | str)
     loaded = tiny_llama(num_kv_heads=2)
     prompts = _prompts(60, 90, 45)
     config = GenerationConfig(max_new_tokens=40)
-    expected = generate(loaded, prompts, config)
+    expected = reference_generate(loaded, prompts, config)
     spec = LosslessConfig(create_compressor(name, **DRAFTERS[name]), draft_length)  # type: ignore[arg-type]
     for batch in (prompts, prompts[:1]):
         output = generate_lossless(loaded, batch, config, spec)
@@ -49,11 +50,11 @@ def test_greedy_output_equals_plain_decoding(name: str, draft_length: int | str)
 def test_greedy_output_equals_plain_decoding_across_eos() -> None:
     loaded = tiny_llama(num_kv_heads=2)
     prompts = _prompts(50, 70, 30)
-    free = generate(loaded, prompts, GenerationConfig(max_new_tokens=30, ignore_eos=True))
+    free = reference_generate(loaded, prompts, GenerationConfig(max_new_tokens=30, ignore_eos=True))
     # Declare a token the first prompt produces mid-way to be end-of-sequence: rows stop at different rounds.
     loaded.model.generation_config.eos_token_id = free.requests[0].token_ids[9]
     config = GenerationConfig(max_new_tokens=30)
-    expected = generate(loaded, prompts, config)
+    expected = reference_generate(loaded, prompts, config)
     assert expected.requests[0].stop_reason == "eos"
     output = generate_lossless(loaded, prompts, config, LosslessConfig(create_compressor("snapkv", compression_ratio=0.5), 8))
     assert [r.token_ids for r in output.requests] == [r.token_ids for r in expected.requests]
@@ -151,7 +152,7 @@ def test_bad_draft_lengths_are_refused(draft_length: object) -> None:
 
 
 def test_compare_modes_marks_lossless_identical_and_finds_the_lossy_divergence() -> None:
-    from kvlab.lossless.compare import compare_modes, first_divergence
+    from kvlab.engine.compare import compare_modes, first_divergence
 
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 5, 3], [1, 2, 3]) == 1
@@ -174,7 +175,7 @@ def test_a_lower_precision_drafter_keeps_the_output_identical(weights: str) -> N
     loaded = tiny_llama(num_kv_heads=2)
     prompts = _prompts(50, 70)
     config = GenerationConfig(max_new_tokens=30)
-    expected = generate(loaded, prompts, config)
+    expected = reference_generate(loaded, prompts, config)
     spec = LosslessConfig(
         create_compressor("kivi", bits=4, group_size=8, residual_length=8), 6, draft_weights=weights  # type: ignore[arg-type]
     )

@@ -17,10 +17,11 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from kvlab.cache import KVCache, forward
 from kvlab.codec import create_codec
 from kvlab.compress import Compressor, compressors, create_compressor
+from kvlab.engine import generate, generate_lossless
 from kvlab.errors import ConfigError
-from kvlab.generation import GenerationConfig, GenerationStats, generate
-from kvlab.generation.prefill import prefill
-from kvlab.lossless import LosslessConfig, LosslessOutput, generate_lossless
+from kvlab.generation import GenerationConfig, GenerationStats
+from kvlab.generation.prefill import PrefillCaches, PrefixReuse, prefill
+from kvlab.lossless import LosslessConfig, LosslessOutput
 from kvlab.models import LoadedModel
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 from tests.families import FAMILIES, NOT_IN_MATRIX, Family, family_named, family_params
@@ -110,12 +111,12 @@ def test_lossless_greedy_equals_plain_decoding(family: Family, drafter: str) -> 
 def test_a_restored_prefix_gives_the_logits_of_recomputation(family: Family) -> None:
     loaded = family.build()
     prefix = PrefixCache.for_model(loaded, "memory://", PrefixConfig(chunk_tokens=CHUNK, allow_recompute=False))
-    prefill(loaded, [OTHER_PROMPT[:50]], 54, prefix=prefix)
+    prefill(loaded, [OTHER_PROMPT[:50]], PrefillCaches(54), PrefixReuse(prefix))
     prefix.flush()
     prompt = OTHER_PROMPT[:50] + PROMPT[:7]
     stats = GenerationStats()
-    restored, _, logits = prefill(loaded, [prompt], len(prompt) + 4, prefix=prefix, stats=stats)
-    recomputed, _, expected_logits = prefill(loaded, [prompt], len(prompt) + 4, chunk_tokens=CHUNK)
+    restored, _, logits = prefill(loaded, [prompt], PrefillCaches(len(prompt) + 4), PrefixReuse(prefix, stats=stats))
+    recomputed, _, expected_logits = prefill(loaded, [prompt], PrefillCaches(len(prompt) + 4), chunk_tokens=CHUNK)
     assert stats.prefix_reused_tokens == 3 * CHUNK
     assert torch.equal(logits, expected_logits), f"{family.name}: logits after the restored prefix differ"
     for index, (got, want) in enumerate(zip(restored.layers, recomputed.layers, strict=True)):
@@ -126,7 +127,7 @@ def test_a_restored_prefix_gives_the_logits_of_recomputation(family: Family) -> 
 @pytest.mark.parametrize("family", family_params())
 def test_codecs_round_trip_the_familys_kv(family: Family, codec: str) -> None:
     loaded = family.build()
-    cache, _, _ = prefill(loaded, [PROMPT], len(PROMPT))
+    cache, _, _ = prefill(loaded, [PROMPT], PrefillCaches(len(PROMPT)))
     for kind in ("keys", "values"):
         # [L, H_kv, T, D]: every layer's KV of the prompt, as a prefix store would ship it (codecs work on the host).
         tensor = torch.cat([getattr(layer, kind)[:, :, : len(PROMPT)] for layer in cache.layers]).cpu()

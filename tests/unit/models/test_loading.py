@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from kvlab.cli import main
+from kvlab.engine import generate
 from kvlab.errors import ConfigError
-from kvlab.generation import GenerationConfig, generate
+from kvlab.generation import GenerationConfig
 from kvlab.models import EMBEDDED_MODELS, LoadedModel, load_model
 from tests.families import TEST_DEVICE, Family, family_named, family_params
 from tests.helpers import tiny_tokenizer, transformers_greedy

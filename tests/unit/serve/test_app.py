@@ -10,7 +10,8 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvlab.compress import compressors
-from kvlab.generation import GenerationConfig, generate
+from kvlab.engine import generate
+from kvlab.generation import GenerationConfig
 from kvlab.lossless import LosslessConfig
 from kvlab.models import LoadedModel
 from kvlab.serve.app import create_app

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvlab.compress import compressors
-from kvlab.generation import GenerationConfig, generate
-from kvlab.lossless import LosslessConfig, generate_lossless
+from kvlab.generation import GenerationConfig, reference_generate
+from kvlab.lossless import LosslessConfig
 from kvlab.models import LoadedModel
 from kvlab.serve.config import ServeConfig
 from kvlab.serve.engine import EngineClosedError, ServeEngine, ServerBusyError
@@ -72,10 +72,9 @@ def engine(loaded: LoadedModel) -> Iterator[ServeEngine]:
 
 
 def offline(loaded: LoadedModel, prompt: list[int], config: GenerationConfig, mode: str) -> list[int]:
-    compressor = compressors.create("snapkv", budget=12)
-    if mode == "lossless":
-        return generate_lossless(loaded, [prompt], config, LosslessConfig(compressor, 3)).requests[0].token_ids
-    return generate(loaded, [prompt], config, compressor=compressor if mode == "lossy" else None).requests[0].token_ids
+    """The plain reference decoder's output (lossless decoding's greedy output is the plain one)."""
+    compressor = compressors.create("snapkv", budget=12) if mode == "lossy" else None
+    return reference_generate(loaded, [prompt], config, compressor=compressor).requests[0].token_ids
 
 
 @pytest.mark.parametrize("mode", ["plain", "lossy", "lossless"])
@@ -95,7 +94,7 @@ def test_greedy_outputs_equal_offline_decoding_while_requests_join_and_leave(
         assert event.output.token_ids == expected, f"{mode} request {tag} differs from offline decoding"
         streamed = [t for tag_, e in collector.log if tag_ == tag and isinstance(e, TokensEvent) for t in e.token_ids]
         assert streamed == expected, f"request {tag}: streamed tokens differ from the final output"
-    assert not engine.run.sequences
+    assert engine.engine.num_unfinished() == 0
 
 
 def test_mixed_modes_share_the_batch_and_each_equals_its_offline_output(engine: ServeEngine, loaded: LoadedModel) -> None:
@@ -145,7 +144,7 @@ def test_a_cancelled_request_leaves_the_batch_and_frees_its_row(engine: ServeEng
     while engine.num_in_system() and time.monotonic() < deadline:
         time.sleep(0.005)
     assert engine.num_in_system() == 0
-    assert not engine.run.sequences, "the cancelled sequence (and its caches) is still in the run"
+    assert engine.engine.num_unfinished() == 0, "the cancelled sequence (and its caches) is still in the engine"
     assert engine.metrics.registry.get_sample_value("kvlab:num_requests_running", {"model_name": engine.loaded.name}) == 0
     assert collector.done[0].empty(), "a cancelled request must get no further events"
 
@@ -233,9 +232,9 @@ class SlowReads:
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *args: object, **kwargs: object) -> bytes | None:
         time.sleep(self.delay_s)
-        return self.inner.get(key)  # type: ignore[attr-defined, no-any-return]
+        return self.inner.get(key, *args, **kwargs)  # type: ignore[attr-defined, no-any-return]
 
 
 def test_a_request_waiting_for_its_fetch_does_not_block_the_queue(loaded: LoadedModel) -> None:
@@ -296,7 +295,7 @@ def test_an_engine_thread_that_dies_fails_its_requests_reports_unhealthy_and_ref
     def broken_step() -> None:
         raise MemoryError("simulated: the engine itself broke")
 
-    monkeypatch.setattr(engine, "_decode_step", broken_step)
+    monkeypatch.setattr(engine.engine, "step", broken_step)
     event = collector.wait(0)
     assert isinstance(event, FailedEvent) and "the engine failed" in event.message, event
     assert died.wait(10), "on_failure was not called: the server would keep answering /health ok"

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from kvlab.engine import generate
 from kvlab.errors import ConfigError
-from kvlab.generation import GenerationConfig, generate
-from kvlab.generation.scheduler import FetchAwareScheduler, Request, SchedulerError
+from kvlab.generation import GenerationConfig
 from kvlab.models import LoadedModel
 from kvlab.store import ChunkAuthError, ChunkSealer, StoreUnavailableError, create_store, load_secret
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 from kvlab.store.writer import BackgroundWriteError, ChunkWriter
-from tests.helpers import tiny_llama
+from tests.helpers import decode_fetching_in_background, tiny_llama
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 PROMPT = [(7 * i + 3) % 90 + 3 for i in range(40)]
@@ -104,29 +104,31 @@ class DownStore:
         return fail
 
 
-def test_the_scheduler_serves_every_request_when_the_store_is_down_at_admission(model: LoadedModel) -> None:
+def test_fetch_aware_admission_serves_every_request_when_the_store_is_down(model: LoadedModel) -> None:
     prefix = PrefixCache.for_model(model, "memory://", PrefixConfig(chunk_tokens=16), ChunkSealer(None))
     prefix.store = DownStore()  # type: ignore[assignment]
-    requests = [Request(PROMPT, CONFIG, 0.0), Request(PROMPT[:20], CONFIG, 0.0)]
-    completions = FetchAwareScheduler(model, prefix).run(requests)
-    assert [c.output.requests[0].token_ids for c in completions] == [
-        generate(model, [r.prompt], CONFIG).requests[0].token_ids for r in requests]
+    prompts = [PROMPT, PROMPT[:20]]
+    engine, ids = decode_fetching_in_background(model, prefix, prompts, CONFIG)
+    assert [engine.output(i).token_ids for i in ids] == [  # type: ignore[attr-defined]
+        generate(model, [prompt], CONFIG).requests[0].token_ids for prompt in prompts]
 
 
-def test_the_scheduler_serves_the_others_when_a_fetch_raises(model: LoadedModel) -> None:
+def test_fetch_aware_admission_serves_the_others_when_a_fetch_raises(model: LoadedModel) -> None:
     store = create_store("memory://")
     prefix = PrefixCache.for_model(model, store, PrefixConfig(chunk_tokens=16, allow_recompute=False), ChunkSealer(None))
     generate(model, [PROMPT], CONFIG, prefix=prefix)
     prefix.flush()
     prefix.fetch = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("worker died"))  # type: ignore[method-assign]
-    completions = FetchAwareScheduler(model, prefix).run([Request(PROMPT, CONFIG, 0.0)])
-    assert completions[0].output.requests[0].token_ids == generate(model, [PROMPT], CONFIG).requests[0].token_ids
+    engine, ids = decode_fetching_in_background(model, prefix, [PROMPT], CONFIG)
+    assert engine.output(ids[0]).token_ids == generate(model, [PROMPT], CONFIG).requests[0].token_ids  # type: ignore[attr-defined]
 
 
-def test_a_request_that_fails_is_reported_after_the_others_are_served(model: LoadedModel) -> None:
+def test_a_request_that_fails_fails_alone_and_the_others_are_served(model: LoadedModel) -> None:
     prefix = PrefixCache.for_model(model, "memory://", PrefixConfig(chunk_tokens=16), ChunkSealer(None))
-    bad = GenerationConfig(max_new_tokens=4, ignore_eos=True, prefill_chunk_tokens=16)
-    requests = [Request(PROMPT, CONFIG, 0.0), Request([999] * 4, bad, 0.0), Request(PROMPT[:8], CONFIG, 0.0)]
-    with pytest.raises(SchedulerError, match="1 of 3 requests failed; request 1") as raised:
-        FetchAwareScheduler(model, prefix).run(requests)
-    assert sorted(raised.value.completions) == [0, 2] and list(raised.value.failures) == [1]
+    prompts = [PROMPT, [999] * 4, PROMPT[:8]]
+    engine, ids = decode_fetching_in_background(model, prefix, prompts, CONFIG)
+    failed = [index for index, request_id in enumerate(ids) if engine.error(request_id) is not None]  # type: ignore[attr-defined]
+    assert failed == [1]
+    for index in (0, 2):
+        expected = generate(model, [prompts[index]], CONFIG).requests[0].token_ids
+        assert engine.output(ids[index]).token_ids == expected  # type: ignore[attr-defined]

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kvlab.compress import create_compressor
-from kvlab.generation import generate
+from kvlab.engine import generate, generate_lossless
 from kvlab.generation.config import GenerationConfig
-from kvlab.generation.prefill import prefill
-from kvlab.lossless import LosslessConfig, generate_lossless
+from kvlab.generation.prefill import PrefillCaches, PrefixReuse, prefill
+from kvlab.lossless import LosslessConfig
 from kvlab.models import LoadedModel
 from kvlab.store import KVStore, StoreUnavailableError, create_store
 from kvlab.store.link import ThrottledStore
@@ -38,7 +38,7 @@ def make_cache(model: LoadedModel, store: KVStore | str = "memory://", **overrid
 
 def reference(model: LoadedModel, prompt: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Keys of every layer and last logits, computing every prompt token (in the store's chunks)."""
-    cache, _, logits = prefill(model, [prompt], len(prompt) + 4, chunk_tokens=CHUNK)
+    cache, _, logits = prefill(model, [prompt], PrefillCaches(len(prompt) + 4), chunk_tokens=CHUNK)
     return [layer.keys[:, :, : len(prompt)] for layer in cache.layers], logits
 
 
@@ -46,7 +46,7 @@ def restored(model: LoadedModel, prompt: list[int], prefix: PrefixCache) -> tupl
     from kvlab.generation.outputs import GenerationStats
 
     stats = GenerationStats()
-    cache, _, logits = prefill(model, [prompt], len(prompt) + 4, prefix=prefix, stats=stats)
+    cache, _, logits = prefill(model, [prompt], PrefillCaches(len(prompt) + 4), PrefixReuse(prefix, stats=stats))
     return [layer.keys[:, :, : len(prompt)] for layer in cache.layers], logits, stats.prefix_reused_tokens
 
 
@@ -382,8 +382,8 @@ def test_a_prefix_restored_with_gaps_keeps_the_rest_causal(model: LoadedModel) -
 
 @pytest.mark.parametrize("window", [None, 2])
 def test_after_the_remote_start_both_caches_hold_the_same_sequence(model: LoadedModel, window: int | None) -> None:
-    from kvlab.lossless.remote_prefix import admit_remote
-    from kvlab.lossless.run import LosslessRun
+    from kvlab.cache import KVCache
+    from kvlab.engine import Engine, Request, SinglePrefixSource
 
     prefix = make_cache(model, write=("exact", "int4"))
     generate(model, [PROMPT], GenerationConfig(max_new_tokens=1, prefill_chunk_tokens=CHUNK), prefix=prefix)
@@ -394,19 +394,21 @@ def test_after_the_remote_start_both_caches_hold_the_same_sequence(model: Loaded
         create_compressor("streamingllm", compression_ratio=0.0), 6, prefix_draft="int4", prefix_draft_chunks=window
     )
     config = GenerationConfig(max_new_tokens=8, prefill_chunk_tokens=CHUNK)
-    run = LosslessRun(model, config, lossless, 1, prefix)
-    assert admit_remote(run, 0, PROMPT, prefix)
-    while run.lossless_stats.rounds == 0:
-        run.step()
-    sequence = run.sequences[0]
-    accepted = len(run.rows.generated[0]) - 1
-    assert run.lossless_stats.num_draft_tokens > 1
+    engine = Engine(model, prefixes=SinglePrefixSource(prefix))
+    request_id = engine.add_request(Request(PROMPT, config, lossless=lossless))
+    engine.step()
+    assert engine.reused_tokens(request_id) == 0, "the remote start restores no prefix through a prefill"
+    while engine.lossless_stats.rounds == 0:
+        engine.step()
+    state = engine.sequence(request_id).lossless
+    assert state is not None and isinstance(state.full, KVCache)
+    accepted = len(engine.output(request_id).token_ids) - 1
+    assert engine.lossless_stats.num_draft_tokens > 1
     # Both hold the prompt and the accepted drafts: everything before the next token.
-    assert sequence.full is not None
-    assert sequence.full.seq_lengths == sequence.draft.seq_lengths == [len(PROMPT) + accepted]
+    assert state.full.seq_lengths == state.draft.seq_lengths == [len(PROMPT) + accepted]
     stored_low = (4 if window is None else window) * CHUNK
     rest = len(PROMPT) - 4 * CHUNK
-    for layer in sequence.draft.layers:  # keeps everything (ratio 0): window + rest of prompt + accepted drafts
+    for layer in state.draft.layers:  # keeps everything (ratio 0): window + rest of prompt + accepted drafts
         assert layer.lengths == [stored_low + rest + accepted]  # type: ignore[attr-defined]
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from kvlab.engine import generate
 from kvlab.errors import ConfigError
-from kvlab.generation import generate
 from kvlab.generation.config import GenerationConfig
 from kvlab.models import LoadedModel
 from kvlab.store import KVStore, StoreUnavailableError, create_store

@@ -26,7 +26,8 @@ from kvlab.bench.runner import encode_sample
 from kvlab.bench.tasks import tasks
 from kvlab.codec.layouts import as_tokens, to_numpy
 from kvlab.codec.prediction import channel_contexts, entropy_bits, token_residuals
-from kvlab.generation import GenerationConfig, generate
+from kvlab.engine import generate
+from kvlab.generation import GenerationConfig
 from kvlab.models import LoadedModel
 from kvlab.quant import kv_axis, quantize
 from kvlab.store import create_store

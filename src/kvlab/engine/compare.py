@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 from kvlab.compress import Compressor
-from kvlab.generation import GenerationConfig, GenerationOutput, generate
+from kvlab.engine.generate import generate, generate_lossless
+from kvlab.generation import GenerationConfig, GenerationOutput
 from kvlab.generation.outputs import ProgressCallback
 from kvlab.lossless.config import LosslessConfig
-from kvlab.lossless.engine import generate_lossless
 from kvlab.models import LoadedModel
 
 
@@ -36,7 +36,7 @@ class ModeResult:
 
 def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
     """Index of the first position where `tokens` and `reference` differ (None when equal)."""
-    for index, (token, expected) in enumerate(zip(tokens, reference)):
+    for index, (token, expected) in enumerate(zip(tokens, reference, strict=False)):
         if token != expected:
             return index
     return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
@@ -62,7 +62,7 @@ def compare_modes(
     for mode, output in outputs.items():
         divergences = [
             first_divergence(request.token_ids, reference.token_ids)
-            for request, reference in zip(output.requests, full.requests)
+            for request, reference in zip(output.requests, full.requests, strict=True)
         ]
         found = [index for index in divergences if index is not None]
         speedup = output.stats.decode_tokens_per_s / full.stats.decode_tokens_per_s if full.stats.decode_tokens_per_s else 0.0

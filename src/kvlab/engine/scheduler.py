@@ -1,0 +1,67 @@
+"""The scheduler: which sequences wait, prefill and decode.
+
+Admission is in arrival order among the sequences that are ready: a sequence whose prefix is still
+being fetched in the background waits without holding up the ones behind it (no head-of-line
+blocking), and joins once its KV has landed. At most `max_num_seqs` sequences prefill or decode at
+once. Prefill either runs one piece per tick, so a long prompt never stalls the running streams for
+more than one piece (a server), or completes every admitted prompt before decoding (offline batches).
+"""
+
+from __future__ import annotations
+
+import collections
+
+from kvlab.engine.sequence import Sequence, Status
+
+
+class Scheduler:
+    """The engine's queues.
+
+    Args:
+        max_num_seqs: Sequences prefilling or decoding at once (None: no limit).
+        interleave_prefill: One prefill piece per tick (True), or whole prompts before decoding.
+    """
+
+    def __init__(self, max_num_seqs: int | None, interleave_prefill: bool) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.interleave_prefill = interleave_prefill
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.prefilling: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+
+    def __len__(self) -> int:
+        """Sequences not finished yet."""
+        return len(self.waiting) + len(self.prefilling) + len(self.running)
+
+    def add(self, sequence: Sequence) -> None:
+        self.waiting.append(sequence)
+
+    def admit(self) -> None:
+        """Move ready waiting sequences into prefill, in arrival order, while there is room."""
+        for sequence in list(self.waiting):
+            if not self._has_room():
+                return
+            if sequence.ready:
+                self.waiting.remove(sequence)
+                sequence.status = Status.PREFILLING
+                self.prefilling.append(sequence)
+
+    def to_prefill(self) -> list[Sequence]:
+        """The sequences to prefill this tick: the oldest one (a piece of it), or every admitted one."""
+        if not self.prefilling:
+            return []
+        return [self.prefilling[0]] if self.interleave_prefill else list(self.prefilling)
+
+    def start_running(self, sequence: Sequence) -> None:
+        self.prefilling.remove(sequence)
+        self.running.append(sequence)
+
+    def remove(self, sequence: Sequence) -> None:
+        """Take `sequence` out of whichever queue holds it."""
+        for queue in (self.waiting, self.prefilling, self.running):
+            if sequence in queue:
+                queue.remove(sequence)
+                return
+
+    def _has_room(self) -> bool:
+        return self.max_num_seqs is None or len(self.prefilling) + len(self.running) < self.max_num_seqs
