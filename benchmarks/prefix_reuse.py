@@ -41,7 +41,7 @@ from kvlab.generation import GenerationConfig, GenerationOutput
 from kvlab.lossless import LosslessConfig, LosslessOutput
 from kvlab.models import LoadedModel, load_model
 from kvlab.store import KVStore, create_store
-from kvlab.store.link import ThrottledStore
+from kvlab.store.backends.link import ThrottledStore
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 from kvlab.store.resolution import RESOLUTIONS
 from kvlab.timing import Stopwatch

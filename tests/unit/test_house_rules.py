@@ -22,10 +22,10 @@ NOT_TIMING: dict[tuple[str, str, str], str] = {
     ("kvlab.serve.app", "Reply.__init__", "time"): "the `created` date of a completion (OpenAI wire format)",
     ("kvlab.serve.protocol", "completion_body", "time"): "the `created` date of a completion (OpenAI wire format)",
     ("kvlab.serve.engine", "ServeEngine.shutdown", "monotonic"): "the shutdown deadline",
-    ("kvlab.store.file", "FileStore._sweep", "time"): "wall-clock age of temporary files, against their mtime",
-    ("kvlab.store.prefix", "PrefixCache.fetch", "monotonic"): "the retry window of a store that went down",
-    ("kvlab.store.prefix", "PrefixCache._fail", "monotonic"): "the retry window of a store that went down",
-    ("kvlab.store.prefix", "PrefixCache.save", "monotonic"): "the retry window of a store that went down",
+    ("kvlab.store.backends.file", "FileStore._sweep", "time"): "wall-clock age of temporary files, against their mtime",
+    ("kvlab.store.prefix.cache", "PrefixCache.fetch", "monotonic"): "the retry window of a store that went down",
+    ("kvlab.store.prefix.cache", "PrefixCache._fail", "monotonic"): "the retry window of a store that went down",
+    ("kvlab.store.prefix.cache", "PrefixCache.save", "monotonic"): "the retry window of a store that went down",
 }
 MAX_FILE_LINES = 400
 # A function's size is the lines of its body after the docstring: from the first statement to the

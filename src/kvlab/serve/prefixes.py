@@ -7,7 +7,7 @@ import logging
 import threading
 
 from kvlab.models import LoadedModel
-from kvlab.store.base import KVStore, create_store
+from kvlab.store.backends.base import KVStore, create_store
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 
 logger = logging.getLogger(__name__)

@@ -1,14 +1,18 @@
-"""KV store for prefix reuse: content keys, byte-store backends by URL scheme, chunk authentication."""
+"""Stored KV by layer: byte backends chosen by URL scheme (`backends`), the chunk format (`resolution`,
+`auth`, `keys`, `verify`) and prefix reuse (`prefix`)."""
 
-from kvlab.store import file, memory, redis, redis_cluster
 from kvlab.store.auth import ChunkAuthError, ChunkSealer, load_secret
-from kvlab.store.base import (
+from kvlab.store.backends import (
     KVStore,
     StoredValueError,
     StoreUnavailableError,
     check_key,
     create_store,
+    file,
+    memory,
     redact_url,
+    redis,
+    redis_cluster,
     stores,
 )
 from kvlab.store.keys import chunk_keys, fingerprint

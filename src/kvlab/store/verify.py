@@ -16,7 +16,7 @@ import torch
 from kvlab.codec import CodecError, decode_frame
 from kvlab.codec.framing import DEFAULT_MAX_DECODED_BYTES, MAX_HEADER_BYTES, PREFIX
 from kvlab.store.auth import MAGIC, TAG_BYTES, ChunkSealer
-from kvlab.store.base import KVStore, StoredValueError
+from kvlab.store.backends.base import KVStore, StoredValueError
 from kvlab.store.resolution import CHUNK_HEADER_BYTES, split_chunk
 
 # Without a model the verifier cannot know a chunk's geometry; a value larger than two frames can be

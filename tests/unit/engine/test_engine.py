@@ -19,7 +19,7 @@ from kvlab.lossless import LosslessConfig
 from kvlab.lossless import round as lossless_round
 from kvlab.models import LoadedModel
 from kvlab.store import create_store
-from kvlab.store.link import ThrottledStore
+from kvlab.store.backends.link import ThrottledStore
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 from tests.helpers import tiny_llama
 

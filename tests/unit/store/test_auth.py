@@ -12,7 +12,7 @@ from kvlab.generation import GenerationConfig
 from kvlab.models import LoadedModel
 from kvlab.store import ChunkAuthError, ChunkSealer, StoreUnavailableError, create_store, load_secret
 from kvlab.store.prefix import PrefixCache, PrefixConfig
-from kvlab.store.writer import BackgroundWriteError, ChunkWriter
+from kvlab.store.prefix.writer import BackgroundWriteError, ChunkWriter
 from tests.helpers import decode_fetching_in_background, tiny_llama
 
 SECRET = b"0123456789abcdef0123456789abcdef"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvlab.store import StoreUnavailableError
-from kvlab.store.file import ORPHAN_AGE_S, TEMP_PREFIX, FileStore
+from kvlab.store.backends.file import ORPHAN_AGE_S, TEMP_PREFIX, FileStore
 
 
 def test_a_symlinked_value_is_not_read(tmp_path: Path) -> None:

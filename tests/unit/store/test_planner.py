@@ -6,8 +6,8 @@ import pytest
 
 from kvlab.errors import ConfigError
 from kvlab.store import create_store
-from kvlab.store.link import ThrottledStore, TokenBucket
-from kvlab.store.planner import RECOMPUTE, ResolutionCost, choose_resolution, pipeline_seconds, plan_chunks
+from kvlab.store.backends.link import ThrottledStore, TokenBucket
+from kvlab.store.prefix.planner import RECOMPUTE, ResolutionCost, choose_resolution, pipeline_seconds, plan_chunks
 
 EXACT = ResolutionCost("exact", quality=3, nbytes=1000, decode_s=0.001)
 INT8 = ResolutionCost("int8", quality=2, nbytes=300, decode_s=0.002)

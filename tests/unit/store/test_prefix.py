@@ -14,7 +14,7 @@ from kvlab.generation.prefill import PrefillCaches, PrefixReuse, prefill
 from kvlab.lossless import LosslessConfig
 from kvlab.models import LoadedModel
 from kvlab.store import KVStore, StoreUnavailableError, create_store
-from kvlab.store.link import ThrottledStore
+from kvlab.store.backends.link import ThrottledStore
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 from kvlab.store.resolution import RESOLUTIONS, decode_chunk, encode_chunk
 from tests.helpers import RedisServer, tiny_llama

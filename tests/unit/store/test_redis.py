@@ -11,7 +11,7 @@ import redis
 
 from kvlab.errors import ConfigError
 from kvlab.store import StoreUnavailableError, create_store
-from kvlab.store.redis import NAMESPACE, RedisStore
+from kvlab.store.backends.redis import NAMESPACE, RedisStore
 from tests.helpers import RedisServer, free_port
 
 

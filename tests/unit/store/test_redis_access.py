@@ -10,7 +10,7 @@ import pytest
 
 from kvlab.cli import main
 from kvlab.store import StoreUnavailableError, create_store, redact_url
-from kvlab.store.redis import RedisStore
+from kvlab.store.backends.redis import RedisStore
 from tests.unit.store.servers import PrivateRedis
 
 PASSWORD = "p@ss:w/rd#1?x"

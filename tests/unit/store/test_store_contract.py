@@ -12,7 +12,7 @@ import pytest
 
 from kvlab.errors import ConfigError
 from kvlab.store import KVStore, StoredValueError, StoreUnavailableError, chunk_keys, create_store, fingerprint, stores
-from kvlab.store.file import FileStore
+from kvlab.store.backends.file import FileStore
 
 # One URL factory per registered scheme (the matrix must cover the registry); a factory may ask for
 # fixtures through the request (redis needs the test server from conftest).

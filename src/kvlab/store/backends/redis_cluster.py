@@ -25,7 +25,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from kvlab.errors import ConfigError
-from kvlab.store.base import (
+from kvlab.store.backends.base import (
     KVStore,
     StoreUnavailableError,
     check_bytes,
@@ -35,7 +35,7 @@ from kvlab.store.base import (
     redact_url,
     stores,
 )
-from kvlab.store.redis import (
+from kvlab.store.backends.redis import (
     DEFAULT_TIMEOUT_S,
     NAMESPACE,
     PASSWORD_ENV,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from kvlab.bandwidth import TokenBucket
-from kvlab.store.base import KVStore
+from kvlab.store.backends.base import KVStore
 
 
 class ThrottledStore(KVStore):

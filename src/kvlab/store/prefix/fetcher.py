@@ -1,7 +1,7 @@
 """The fetch pipeline: transfer chunks on one thread, decode on workers, restore in order, stop at a fault.
 
 One thread transfers chunk i+1 while worker threads decode the chunks before it, and the caller
-restores them in order. Before every chunk the rest is re-planned (`kvlab.store.planner`) from the
+restores them in order. Before every chunk the rest is re-planned (`kvlab.store.prefix.planner`) from the
 running measurements, so a link that slows down shifts the remaining chunks to smaller resolutions
 or to recomputation. Each chunk is checked before it is restored: its size before it is read (no
 larger than a chunk of the reader's geometry can encode to, `max_value_bytes`), its tag
@@ -18,15 +18,15 @@ import dataclasses
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvlab.codec import CodecError
 from kvlab.store.auth import ChunkSealer
-from kvlab.store.base import KVStore
-from kvlab.store.fetched import FetchedPrefix
-from kvlab.store.planner import RECOMPUTE, ResolutionCost, plan_chunks
+from kvlab.store.backends.base import KVStore
+from kvlab.store.prefix.fetched import FetchedPrefix
+from kvlab.store.prefix.config import PrefixConfig
+from kvlab.store.prefix.planner import RECOMPUTE, ResolutionCost, plan_chunks
 from kvlab.store.resolution import (
     RESOLUTIONS,
     ChunkGeometry,
@@ -37,8 +37,6 @@ from kvlab.store.resolution import (
 )
 from kvlab.timing import Stopwatch
 
-if TYPE_CHECKING:
-    from kvlab.store.prefix import PrefixConfig
 
 _Decoded = tuple[torch.Tensor, torch.Tensor, float, TokenRestore | None]
 _Arrival = tuple[int, str, "Future[_Decoded] | None", int, float]

@@ -31,7 +31,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvlab.errors import ConfigError
-from kvlab.store.base import (
+from kvlab.store.backends.base import (
     KVStore,
     StoredValueError,
     StoreUnavailableError,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from kvlab.store.base import KVStore, check_bytes, check_key, check_prefix, check_size, stores
+from kvlab.store.backends.base import KVStore, check_bytes, check_key, check_prefix, check_size, stores
 
 
 @stores.register("memory")

@@ -13,7 +13,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from kvlab.store.base import StoreUnavailableError
+from kvlab.store.backends.base import StoreUnavailableError
 
 logger = logging.getLogger(__name__)
 

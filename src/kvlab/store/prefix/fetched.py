@@ -8,9 +8,6 @@ import torch
 
 from kvlab.cache import KVCache
 
-LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
-"""Per layer, ([1, H_kv, T, D] keys, values), as a forward computes them."""
-
 
 @dataclasses.dataclass(slots=True)
 class FetchStats:

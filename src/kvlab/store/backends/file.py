@@ -25,7 +25,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from kvlab.errors import ConfigError
-from kvlab.store.base import (
+from kvlab.store.backends.base import (
     KVStore,
     StoredValueError,
     StoreUnavailableError,
