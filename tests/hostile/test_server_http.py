@@ -263,6 +263,7 @@ def nested(depth: int) -> bytes:
          f"max_tokens: integers are limited to {MAX_INT_DIGITS}"),
         (b'{"prompt": "w5", "seed": -' + b"9" * 25 + b"}", "seed: integers are limited"),
         (b'{"prompt": "w5", "temperature": NaN}', "temperature: NaN is not a JSON number"),
+        (b'{"prompt": "w5", "stop": [' + b"[]," * (1 << 20) + b"[]]}", "more than 1048576 JSON values"),
         (b'{"prompt": "w5", "top_p": 1e999}', "top_p: 1e999 is out of the range"),
     ],
 )
