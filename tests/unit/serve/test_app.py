@@ -51,7 +51,8 @@ def test_a_completion_has_the_openai_shape_and_the_offline_text(client: TestClie
                                                  "kvlab": {"mode": "lossless", "drafter_args": {"budget": 8}}})
     assert reply.status_code == 200, reply.text
     body = reply.json()
-    expected = generate(loaded, [loaded.encode_prompt(PROMPT, raw=True)], GenerationConfig(max_new_tokens=6)).requests[0]
+    prompt = loaded.encode_prompt(PROMPT, raw=True)
+    expected = generate(loaded, [prompt], GenerationConfig(max_new_tokens=6)).requests[0]
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == expected.text
     assert body["usage"]["completion_tokens"] == len(expected.token_ids)
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
@@ -61,7 +62,8 @@ def test_a_completion_has_the_openai_shape_and_the_offline_text(client: TestClie
 def test_a_stream_is_server_sent_events_that_add_up_to_the_whole_reply(client: TestClient) -> None:
     request = {"prompt": PROMPT, "max_tokens": 7, "temperature": 0, "kvlab": {"ignore_eos": True}}
     whole = client.post("/v1/completions", json=request).json()
-    streamed = client.post("/v1/completions", json={**request, "stream": True, "stream_options": {"include_usage": True}})
+    streaming = {**request, "stream": True, "stream_options": {"include_usage": True}}
+    streamed = client.post("/v1/completions", json=streaming)
     assert streamed.headers["content-type"].startswith("text/event-stream")
     chunks = [json.loads(data) for data in events(streamed.text)[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole["choices"][0]["text"]
@@ -83,7 +85,9 @@ def test_a_stream_is_server_sent_events_that_add_up_to_the_whole_reply(client: T
         ({"messages": [{"role": "user", "content": "w5"}]}, 400, "prompt: Field required"),
     ],
 )
-def test_bad_requests_get_openai_error_objects(client: TestClient, body: dict[str, object], status: int, message: str) -> None:
+def test_bad_requests_get_openai_error_objects(
+    client: TestClient, body: dict[str, object], status: int, message: str
+) -> None:
     reply = client.post("/v1/completions", json=body)
     assert reply.status_code == status, reply.text
     assert message in reply.json()["error"]["message"]
@@ -180,3 +184,26 @@ def test_the_tokens_of_finished_requests_are_given_back(loaded: LoadedModel) -> 
         families = text_string_to_metric_families(client.get("/metrics").text)
         samples = {sample.name: sample.value for family in families for sample in family.samples}
         assert samples["kvlab:num_tokens_in_system"] == 0
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b'{"a": ' + b"[" * 31 + b"]" * 31 + b"}", None),  # 32 levels, the body's object included
+        (b'{"a": ' + b"[" * 32 + b"]" * 32 + b"}", "deeper than 32 levels"),
+        (b'{"a": "' + b"[{" * 5000 + b'\\" ]}"}', None),  # brackets and escaped quotes inside a string
+        (b'{"a": ' + b"[" * 100_000, "deeper than 32 levels"),
+        (b"{not json", "not valid JSON"),
+        (b'{"a": {"b": [0, ' + b"1" * 21 + b"]}}", "a.b.1: integers are limited to 20 digits"),
+        (b'{"a": -' + b"1" * 20 + b"}", None),
+        (b'{"a": [' + b"0," * (1 << 20) + b"0]}", "more than 1048576 JSON values"),
+    ],
+)
+def test_the_parser_bounds_depth_values_and_numbers(raw: bytes, message: str | None) -> None:
+    from kvlab.serve.protocol import BodyError, parse_body
+
+    if message is None:
+        assert isinstance(parse_body(raw), dict)
+        return
+    with pytest.raises(BodyError, match=message):
+        parse_body(raw)
