@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import os
 import select
 import signal
 import socket
@@ -49,9 +48,9 @@ def guarded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     key_file = workdir / "key"
     key_file.write_text(KEY + "\n")
     key_file.chmod(0o644)
-    env = {name: value for name, value in os.environ.items() if name != "KVLAB_API_KEY"}
+    # --api-key-file wins over a KVLAB_API_KEY the environment may hold.
     process = ServeProcess(workdir, "--model", str(tiny_model_dir), "--api-key-file", str(key_file),
-                           "--allowed-origins", "https://app.example", "--max-tokens-in-system", "500", env=env)
+                           "--allowed-origins", "https://app.example", "--max-tokens-in-system", "500")
     yield process
     process.stop()
 
