@@ -14,25 +14,18 @@ from kvlab.cli.codec import FRAMES_FORMAT
 from kvlab.models import LoadedModel, load_model
 from kvlab.store import ChunkSealer, create_store
 from kvlab.store.prefix import PrefixCache, PrefixConfig
-from tests.helpers import tiny_llama
 from tests.hostile.conftest import CASES, CHUNK, SECRET
 from tests.hostile.corpus import FOREIGN, MALFORMED, hostile_chunks, hostile_frames
 
 PROMPT = " ".join(f"w{(7 * i + 3) % 90 + 3}" for i in range(40))
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random model saved as a local model directory, so the CLI loads it by path."""
-    directory = tmp_path_factory.mktemp("tiny-model")
-    loaded = tiny_llama(num_kv_heads=2, seed=3)
-    loaded.model.save_pretrained(directory)
-    loaded.tokenizer.save_pretrained(directory)
-    return directory
-
-
-def generate_json(model_dir: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, dict[str, object], str]:
-    code = main(["generate", "--model", str(model_dir), "--raw", "--prompt", PROMPT, "--max-new-tokens", "6",
+def generate_json(
+    tiny_model_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    *extra: str,
+) -> tuple[int, dict[str, object], str]:
+    code = main(["generate", "--model", str(tiny_model_dir), "--raw", "--prompt", PROMPT, "--max-new-tokens", "6",
                  "--ignore-eos", "--json", *extra])
     captured = capsys.readouterr()
     return code, json.loads(captured.out) if code == 0 else {}, captured.err
@@ -40,20 +33,20 @@ def generate_json(model_dir: Path, capsys: pytest.CaptureFixture[str], *extra: s
 
 @pytest.mark.parametrize("case", CASES)
 def test_generate_with_a_hostile_value_in_the_store_is_identical(
-    model_dir: Path, case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
+    tiny_model_dir: Path, case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
     if case == "swapped_chunk":
         monkeypatch.setenv("KVLAB_STORE_SECRET", SECRET.decode())
     url = f"file://{tmp_path / 'store'}"
     store_args = ("--prefix-store", url, "--prefix-chunk-tokens", str(CHUNK))
-    code, expected, _ = generate_json(model_dir, capsys)
+    code, expected, _ = generate_json(tiny_model_dir, capsys)
     assert code == 0
-    assert generate_json(model_dir, capsys, *store_args)[0] == 0  # stores the prompt's chunks
-    loaded = load_model(str(model_dir))
+    assert generate_json(tiny_model_dir, capsys, *store_args)[0] == 0  # stores the prompt's chunks
+    loaded = load_model(str(tiny_model_dir))
     planted = plant_in(loaded, url, case, loaded.encode_prompt(PROMPT, raw=True))
     caplog.clear()
-    code, output, err = generate_json(model_dir, capsys, *store_args)
+    code, output, err = generate_json(tiny_model_dir, capsys, *store_args)
     assert code == 0, err
     assert output["token_ids"] == expected["token_ids"], f"{case}: output differs from recomputation"
     faults = [record.getMessage() for record in caplog.records if record.name == "kvlab.store"]
@@ -124,7 +117,7 @@ def test_codec_decode_refuses_frames_above_the_size_limit(tmp_path: Path, capsys
 
 
 def test_a_full_disk_for_the_disk_tier_is_one_line_and_exit_1(
-    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import os
 
@@ -133,7 +126,7 @@ def test_a_full_disk_for_the_disk_tier_is_one_line_and_exit_1(
 
     monkeypatch.setenv("KVLAB_TIER_DIR", str(tmp_path / "tiers"))
     monkeypatch.setattr(os, "posix_fallocate", full_disk)
-    code = main(["generate", "--model", str(model_dir), "--raw", "--prompt", PROMPT, "--max-new-tokens", "4",
+    code = main(["generate", "--model", str(tiny_model_dir), "--raw", "--prompt", PROMPT, "--max-new-tokens", "4",
                  "--full-kv-tier", "disk"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and "No space left on device" in err[0], err

@@ -106,9 +106,7 @@ def _prefix_config(args: argparse.Namespace) -> PrefixConfig | None:
             raise ConfigError("--prefix-chunk-tokens, --prefix-resolutions and --prefix-salt need --prefix-store")
         return None
     names = tuple(name.strip() for name in (args.prefix_resolutions or "exact").split(",") if name.strip())
-    prefix_draft = getattr(args, "prefix_draft", None)
-    low_bit = (prefix_draft,) if prefix_draft and prefix_draft not in names else ()
-    return PrefixConfig(write=names + low_bit, fetch=names, **given)
+    return PrefixConfig.for_decoding(names, getattr(args, "prefix_draft", None), **given)
 
 
 def _lossless_config(args: argparse.Namespace) -> LosslessConfig | None:

@@ -19,7 +19,7 @@ import torch
 from kvlab.cache import ForwardStep, KVCache, run_step
 from kvlab.cache.tiers import TierLoader, move_to_tier
 from kvlab.generation.outputs import GenerationStats
-from kvlab.generation.prefill import prefill_pieces
+from kvlab.generation.prefill import PrefillCaches, PrefixReuse, PromptPrefill
 from kvlab.lossless.config import LosslessConfig
 from kvlab.lossless.stats import LosslessStats
 from kvlab.models import LoadedModel
@@ -79,7 +79,8 @@ def start_remote(
     # The draft cache may skip chunks (stored compacted): the rest of the prompt is masked causally by
     # its index among the stored keys, while rotary phases use the true positions.
     stored_before = torch.arange(low.num_tokens, low.num_tokens + rest.shape[1], device=loaded.device)[None]
-    step = ForwardStep(draft, draft.next_positions(rest.shape[1], loaded.device), compress=True, mask_positions=stored_before)
+    positions = draft.next_positions(rest.shape[1], loaded.device)
+    step = ForwardStep(draft, positions, compress=True, mask_positions=stored_before)
     logits = run_step(drafter, step, rest, logits_to_keep=1)[:, -1]  # type: ignore[arg-type]
     target.stats.prefix_fetches.append(low.stats)
     return RemoteStart(draft, logits, ExactPrefixInTransit(target, exact, prompt, capacity))
@@ -100,22 +101,14 @@ class ExactPrefixInTransit:
     def land(self) -> tuple[KVCache, list[int]]:
         """The full cache built from the landed exact prefix (waiting for it if need be), and the rest
         of the prompt, pending: it is verified together with the drafts."""
-        loaded, prompt, prefix = self.target.loaded, self.prompt, self.target.prefix
         wait = Stopwatch()
         exact = self.fetch.result()  # re-raises what failed on the transfer thread
         self.target.totals.kv_load_s += wait.elapsed()
-        full = KVCache.allocate(loaded.architecture, 1, self.capacity, loaded.dtype, loaded.device)
-        exact.restore_into(full, loaded.device)
-        # Complete chunks of the rest are computed on their own, as a prefill would (their KV is saved and
-        # must have the bits recomputing them gives); the last piece goes with the drafts.
-        pieces = prefill_pieces(exact.end, len(prompt), prefix.chunk_tokens)
-        for begin, end in pieces[:-1]:
-            chunk_step = ForwardStep(full, full.next_positions(end - begin, loaded.device), captured=[])
-            clock = Stopwatch(loaded.device)
-            run_step(loaded.model, chunk_step, torch.tensor([prompt[begin:end]], device=loaded.device), logits_to_keep=1)
-            prefix.observe_prefill(end - begin, clock.elapsed())
-            assert chunk_step.captured is not None
-            prefix.save(prompt, begin, chunk_step.captured)
-        self.target.stats.prefix_reused_tokens += exact.end
-        self.target.stats.prefix_fetches.append(exact.stats)
-        return move_to_tier(full, self.target.loader, self.capacity), prompt[pieces[-1][0] :]
+        # The same prefill as any prompt's: the exact prefix restored, then complete chunks of the rest
+        # computed on their own and saved (they must have the bits recomputing them gives); the last
+        # piece goes with the drafts.
+        reuse = PrefixReuse(self.target.prefix, fetched=exact, stats=self.target.stats)
+        job = PromptPrefill(self.target.loaded, self.prompt, PrefillCaches(self.capacity), reuse)
+        while len(job.pieces) > 1:
+            job.step()
+        return move_to_tier(job.cache, self.target.loader, self.capacity), self.prompt[job.pieces[0][0] :]

@@ -35,7 +35,7 @@ class SaltedPrefixes:
             if cache is not None:
                 self._caches.move_to_end(salt)
                 return cache
-            config = PrefixConfig(chunk_tokens=self.chunk_tokens, cache_salt=salt)
+            config = PrefixConfig.for_decoding(chunk_tokens=self.chunk_tokens, cache_salt=salt)
             cache = PrefixCache.for_model(self.loaded, self.store, config)
             self._caches[salt] = cache
             evicted = self._caches.popitem(last=False)[1] if len(self._caches) > self.max_salts else None

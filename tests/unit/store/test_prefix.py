@@ -42,7 +42,11 @@ def reference(model: LoadedModel, prompt: list[int]) -> tuple[list[torch.Tensor]
     return [layer.keys[:, :, : len(prompt)] for layer in cache.layers], logits
 
 
-def restored(model: LoadedModel, prompt: list[int], prefix: PrefixCache) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+def restored(
+    model: LoadedModel,
+    prompt: list[int],
+    prefix: PrefixCache,
+) -> tuple[list[torch.Tensor], torch.Tensor, int]:
     from kvlab.generation.outputs import GenerationStats
 
     stats = GenerationStats()
@@ -60,7 +64,7 @@ def test_fetched_prefix_then_continue_equals_recompute(model: LoadedModel, resol
     expected_keys, expected_logits = reference(model, prompt)
     assert reused == 4 * CHUNK
     assert torch.equal(logits, expected_logits)
-    assert all(torch.equal(a, b) for a, b in zip(keys, expected_keys))
+    assert all(torch.equal(a, b) for a, b in zip(keys, expected_keys, strict=True))
 
 
 def test_a_prompt_that_is_all_chunks_still_computes_its_last_token(model: LoadedModel) -> None:
@@ -186,7 +190,9 @@ def check_fallback(model: LoadedModel, prefix: PrefixCache, caplog: pytest.LogCa
     with caplog.at_level(logging.WARNING, logger="kvlab.store"):
         keys, logits, got = restored(model, PROMPT, prefix)
     assert got == reused
-    assert torch.equal(logits, expected_logits) and all(torch.equal(a, b) for a, b in zip(keys, expected_keys))
+    assert torch.equal(logits, expected_logits) and all(
+        torch.equal(a, b) for a, b in zip(keys, expected_keys, strict=True)
+    )
     warnings = [record for record in caplog.records if record.name == "kvlab.store"]
     assert len(warnings) == 1, [record.getMessage() for record in warnings]
 
@@ -200,7 +206,10 @@ def test_missing_chunk_is_recomputed(model: LoadedModel, caplog: pytest.LogCaptu
     assert reused == 2 * CHUNK and torch.equal(logits, reference(model, PROMPT)[1])
 
 
-def test_chunk_deleted_between_lookup_and_read_is_recomputed(model: LoadedModel, caplog: pytest.LogCaptureFixture) -> None:
+def test_chunk_deleted_between_lookup_and_read_is_recomputed(
+    model: LoadedModel,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     store = filled_store(model)
     prefix = make_cache(model, store)
     third = prefix.keys(PROMPT, "exact")[2]
@@ -322,7 +331,9 @@ def test_drafting_from_a_low_bit_prefix_is_identical(
     prefix = make_cache(model, write=("exact", "int4"))
     generate(model, prompts[:2], config, prefix=prefix)
     prefix.flush()
-    spec = LosslessConfig(create_compressor(drafter), num_draft_tokens=4, prefix_draft="int4", prefix_draft_chunks=window)
+    spec = LosslessConfig(
+        create_compressor(drafter), num_draft_tokens=4, prefix_draft="int4", prefix_draft_chunks=window
+    )
     output = generate_lossless(model, prompts, config, spec, prefix=prefix)
     assert [r.token_ids for r in output.requests] == expected
     assert output.stats.prefix_reused_tokens == 4 * CHUNK + 2 * CHUNK
@@ -446,3 +457,10 @@ def test_a_failure_on_the_exact_prefix_thread_reaches_the_caller(model: LoadedMo
     config = GenerationConfig(max_new_tokens=6, prefill_chunk_tokens=CHUNK)
     with pytest.raises(RuntimeError, match="exact transfer failed"):
         generate_lossless(model, [PROMPT], config, lossless, prefix=prefix)
+
+
+def test_a_decoder_store_writes_what_it_fetches_and_the_low_bit_drafting_resolution() -> None:
+    assert PrefixConfig.for_decoding().write == ("exact",)
+    config = PrefixConfig.for_decoding(("exact",), "int4", chunk_tokens=CHUNK)
+    assert (config.write, config.fetch, config.chunk_tokens) == (("exact", "int4"), ("exact",), CHUNK)
+    assert PrefixConfig.for_decoding(("exact", "int4"), "int4").write == ("exact", "int4")

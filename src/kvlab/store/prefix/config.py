@@ -69,6 +69,17 @@ class PrefixConfig:
             missing = ", ".join(sorted(set(self.fetch) - set(self.write)))
             raise ConfigError(f"fetch resolutions {missing} are never written; add them to write")
 
+    @classmethod
+    def for_decoding(
+        cls, fetch: tuple[str, ...] = ("exact",), prefix_draft: str | None = None, **fields: object
+    ) -> PrefixConfig:
+        """The store a decoder uses: it writes what it fetches, and also the low-bit resolution that
+        lossless drafting from a stored prefix reads (`LosslessConfig.prefix_draft`), so that a later
+        request can draft from the chunks this one computes. `kvlab generate` and `kvlab serve` both
+        build their store settings here."""
+        low_bit = (prefix_draft,) if prefix_draft and prefix_draft not in fetch else ()
+        return cls(write=fetch + low_bit, fetch=fetch, **fields)  # type: ignore[arg-type]
+
     @property
     def identical(self) -> bool:
         """Every fetchable resolution restores the original bits."""
