@@ -19,7 +19,8 @@ from kvlab.models import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 
 GENERATION_FIELDS = (
-    "max_new_tokens", "temperature", "top_p", "seed", "stop_strings", "ignore_eos", "prefill_chunk_tokens", "full_kv_tier"
+    "max_new_tokens", "temperature", "top_p", "seed", "stop_strings", "ignore_eos", "prefill_chunk_tokens",
+    "full_kv_tier",
 )
 LOSSLESS_FIELDS = ("num_draft_tokens", "max_num_draft_tokens", "schedule", "draft_weights", "prefix_draft")
 PREFIX_FIELDS = ("chunk_tokens", "cache_salt")
@@ -30,7 +31,9 @@ class GenerateCommand(Command):
         source = parser.add_mutually_exclusive_group(required=True)
         source.add_argument("--prompt", help="prompt text")
         source.add_argument("--prompt-file", type=Path, help="read the prompt from this UTF-8 file (- reads stdin)")
-        parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file, model dir or cached hub id")
+        parser.add_argument(
+            "--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file, model dir or cached hub id"
+        )
         parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and KV dtype")
         parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
         parser.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
@@ -46,11 +49,16 @@ class GenerateCommand(Command):
             help="a compressor parameter, e.g. compression_ratio=0.9 or bits=4 (repeatable)",
         )
         lossless = parser.add_argument_group("lossless speculative decoding (output identical to the full cache)")
-        lossless.add_argument("--lossless", action="store_true", help="draft from a compressed cache, verify with the full one")
+        lossless.add_argument(
+            "--lossless", action="store_true", help="draft from a compressed cache, verify with the full one"
+        )
         lossless.add_argument("--drafter", default="snapkv", help="compressor whose cache drafts")
-        lossless.add_argument("--drafter-arg", action="append", default=[], metavar="KEY=VALUE", help="drafter parameter")
+        lossless.add_argument(
+            "--drafter-arg", action="append", default=[], metavar="KEY=VALUE", help="drafter parameter"
+        )
         add_config_flags(
-            lossless, LosslessConfig, LOSSLESS_FIELDS, flags={"num_draft_tokens": ["--num-draft-tokens", "--draft-length"]}
+            lossless, LosslessConfig, LOSSLESS_FIELDS,
+            flags={"num_draft_tokens": ["--num-draft-tokens", "--draft-length"]},
         )
         reuse = parser.add_argument_group("prefix reuse through a KV store")
         reuse.add_argument(
@@ -59,7 +67,8 @@ class GenerateCommand(Command):
             "(memory://, file:///dir, redis://host:port/db)",
         )
         add_config_flags(
-            reuse, PrefixConfig, PREFIX_FIELDS, flags={"chunk_tokens": ["--prefix-chunk-tokens"], "cache_salt": ["--prefix-salt"]}
+            reuse, PrefixConfig, PREFIX_FIELDS,
+            flags={"chunk_tokens": ["--prefix-chunk-tokens"], "cache_salt": ["--prefix-salt"]},
         )
         reuse.add_argument(
             "--prefix-resolutions", metavar="NAMES",
@@ -132,10 +141,7 @@ def _compressor(args: argparse.Namespace) -> Compressor | None:
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
-    if args.prompt is not None:
-        text = str(args.prompt)
-    else:
-        text = read_prompt_file(args.prompt_file)
+    text = str(args.prompt) if args.prompt is not None else read_prompt_file(args.prompt_file)
     if not text.strip():
         raise ConfigError("the prompt is empty; pass some text with --prompt or --prompt-file")
     return text
