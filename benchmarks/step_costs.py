@@ -74,7 +74,9 @@ def main() -> None:
     document = document_token_ids(loaded.tokenizer, args.context + args.num_draft_tokens + 1)
     prompt, following = document[: args.context], document[args.context :]
     capacity = args.context + args.num_draft_tokens + 2
-    full, draft, _ = prefill(loaded, [prompt], PrefillCaches(capacity, drafter=create_compressor("snapkv", compression_ratio=0.9)))
+    full, draft, _ = prefill(
+        loaded, [prompt], PrefillCaches(capacity, drafter=create_compressor("snapkv", compression_ratio=0.9))
+    )
     assert draft is not None
     model = loaded.model
     k = args.num_draft_tokens

@@ -34,7 +34,9 @@ def address_space_bytes() -> int:
 
 def fetch_outcome(value: bytes) -> str:
     config = PrefixConfig(chunk_tokens=SHAPE[2], allow_recompute=False)
-    geometry = ChunkGeometry(SHAPE[2], 4 * SHAPE[0] * SHAPE[1] * SHAPE[2] * SHAPE[3], *SHAPE[:2], SHAPE[3], torch.float32)
+    geometry = ChunkGeometry(
+        SHAPE[2], 4 * SHAPE[0] * SHAPE[1] * SHAPE[2] * SHAPE[3], *SHAPE[:2], SHAPE[3], torch.float32
+    )
     prefix = PrefixCache(create_store("memory://"), "victim", 8 * SHAPE[0] * SHAPE[1] * SHAPE[3], config, geometry,
                          ChunkSealer(None))
     keys = prefix.keys(TOKENS, "exact")
@@ -70,7 +72,9 @@ def main() -> None:
         control = "allocated"
     except MemoryError:
         control = "MemoryError"
-    print(json.dumps({"control": control, "limit_mib": limit / 2**20, "headroom_mib": headroom / 2**20, "results": results}))
+    print(json.dumps(
+        {"control": control, "limit_mib": limit / 2**20, "headroom_mib": headroom / 2**20, "results": results}
+    ))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,9 @@ def test_a_swapped_chunk_fails_authentication(victim_model: LoadedModel) -> None
 
 def test_an_unsealed_value_is_refused_when_a_secret_is_set(victim_model: LoadedModel) -> None:
     planted = plant(victim_model, "swapped_chunk", SECRET)
-    other_key = PrefixCache.for_model(victim_model, planted.store, prefix_config(), planted.sealer).keys(OTHER, "exact")[1]
+    other_key = PrefixCache.for_model(
+        victim_model, planted.store, prefix_config(), planted.sealer
+    ).keys(OTHER, "exact")[1]
     stored = planted.store.get(other_key)
     assert stored is not None
     planted.store.put(planted.key, bytes(planted.sealer.open(other_key, stored)))  # the bytes without the tag
@@ -66,7 +68,10 @@ def test_a_writer_with_the_secret_replaces_a_planted_value(victim_model: LoadedM
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_fetch_aware_admission_finishes_every_request_over_a_hostile_value(victim_model: LoadedModel, case: str) -> None:
+def test_fetch_aware_admission_finishes_every_request_over_a_hostile_value(
+    victim_model: LoadedModel,
+    case: str,
+) -> None:
     planted = plant(victim_model, case, SECRET)
     reader = PrefixCache.for_model(victim_model, planted.store, prefix_config(), planted.sealer)
     prompts = [VICTIM, [11, 12, 13, 14], VICTIM]

@@ -86,7 +86,9 @@ def test_a_restored_prefix_gives_the_logits_of_recomputation(gemma: LoadedModel,
     prefix.flush()
     continued = prompt[:540] + prompt[560:]  # shares two chunks, then differs
     stats = GenerationStats()
-    restored, _, logits = prefill(gemma, [continued], PrefillCaches(len(continued) + 1), PrefixReuse(prefix, stats=stats))
+    restored, _, logits = prefill(
+        gemma, [continued], PrefillCaches(len(continued) + 1), PrefixReuse(prefix, stats=stats)
+    )
     recomputed, _, expected = prefill(gemma, [continued], PrefillCaches(len(continued) + 1), chunk_tokens=CHUNK)
     assert stats.prefix_reused_tokens == 2 * CHUNK
     assert torch.equal(logits, expected)

@@ -15,8 +15,9 @@ from kvlab.threads import configure_wait_policy
 # Before any command module loads torch: the OpenMP runtime reads its wait policy once.
 configure_wait_policy()
 
-from kvlab.cli.base import EXIT_OK, EXIT_RUNTIME_ERROR, EXIT_USAGE_ERROR, Command, add_subcommand
-from kvlab.errors import ConfigError
+# Kept below configure_wait_policy() on purpose: it must run before any import that could load torch.
+from kvlab.cli.base import EXIT_OK, EXIT_RUNTIME_ERROR, EXIT_USAGE_ERROR, Command, add_subcommand  # noqa: E402
+from kvlab.errors import ConfigError  # noqa: E402
 
 # name -> (module, class, help). A command's module (and with it torch and transformers) is imported
 # only when that command runs, so `kvlab --help`, `--version` and a mistyped command answer at once.
@@ -27,13 +28,19 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "decode questions about one long document with the full KV cache, a lossy cache, and losslessly",
     ),
     "ls": ("kvlab.cli.ls", "ListCommand", "list models, compressors, codecs, stores and tasks with their parameters"),
-    "codec": ("kvlab.cli.codec", "CodecCommand", "benchmark KV codecs, or encode/decode KV tensors saved as safetensors"),
+    "codec": (
+        "kvlab.cli.codec", "CodecCommand",
+        "benchmark KV codecs, or encode/decode KV tensors saved as safetensors",
+    ),
     "bench": (
         "kvlab.cli.bench", "BenchCommand",
         "benchmark methods on task quality and system cost; `kvlab bench report DIR` re-renders a report",
     ),
     "store": ("kvlab.cli.store", "StoreCommand", "list, read, write, verify and clear entries of a KV store"),
-    "serve": ("kvlab.cli.serve", "ServeCommand", "serve the model over an OpenAI-compatible HTTP API (continuous batching, lossless decoding)"),
+    "serve": (
+        "kvlab.cli.serve", "ServeCommand",
+        "serve the model over an OpenAI-compatible HTTP API (continuous batching, lossless decoding)",
+    ),
 }
 
 
@@ -84,7 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:
         if args.verbose or os.environ.get("KVLAB_DEBUG"):
             raise
-        print(f"kvlab {args.command}: failed: {type(error).__name__}: {error} (rerun with -v for details)", file=sys.stderr)
+        print(
+            f"kvlab {args.command}: failed: {type(error).__name__}: {error} (rerun with -v for details)",
+            file=sys.stderr,
+        )
         return EXIT_RUNTIME_ERROR
 
 

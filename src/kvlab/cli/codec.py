@@ -27,11 +27,14 @@ class CodecCommand(Command):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         verbs = parser.add_subparsers(dest="codec_verb", required=True, metavar="VERB")
         bench = add_subcommand(verbs, "bench", "ratio, speed and error of every codec on the model's KV")
-        bench.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file, model dir or cached hub id")
+        bench.add_argument(
+            "--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file, model dir or cached hub id"
+        )
         bench.add_argument("--context", type=int, default=4096, help="tokens of the bundled document to prefill")
         bench.add_argument("--codecs", default="", help="comma-separated codec names to run (default: all rows)")
         bench.add_argument("--rate-fidelity", action="store_true",
-                           help="every code-lossless coder x bit width, the entropy bound and task fidelity, with a plot")
+                           help="every code-lossless coder x bit width, the entropy bound and task fidelity, "
+                                "with a plot")
         bench.add_argument("--bits", default="8,4,3,2", help="code widths of --rate-fidelity")
         bench.add_argument("--samples-per-task", type=int, default=2,
                            help="prompts per task for --rate-fidelity's task columns (0: skip them)")
@@ -42,9 +45,15 @@ class CodecCommand(Command):
             verbs, "capture", "prefill a prompt and save its KV (keys, values [layers, kv heads, tokens, dim], fp16)"
         )
         capture.add_argument("output", type=Path, help="safetensors file to write (input of `kvlab codec encode`)")
-        capture.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file, model dir or cached hub id")
-        capture.add_argument("--prompt-file", type=Path, help="UTF-8 text to prefill, - reads stdin (default: the bundled document)")
-        capture.add_argument("--context", type=int, default=1024, help="tokens to prefill (fewer if the prompt is shorter)")
+        capture.add_argument(
+            "--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file, model dir or cached hub id"
+        )
+        capture.add_argument(
+            "--prompt-file", type=Path, help="UTF-8 text to prefill, - reads stdin (default: the bundled document)"
+        )
+        capture.add_argument(
+            "--context", type=int, default=1024, help="tokens to prefill (fewer if the prompt is shorter)"
+        )
         add_json_flag(capture)
         encode = add_subcommand(verbs, "encode", "encode every tensor of a safetensors file into codec frames")
         encode.add_argument("input", type=Path, help="safetensors file of float tensors (e.g. keys, values)")
@@ -111,7 +120,9 @@ def _capture(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.prompt_file} holds no text to prefill")
     num_tokens = args.context if token_ids is None else min(args.context, len(token_ids))
     if num_tokens > loaded.architecture.max_context:
-        raise ConfigError(f"--context {num_tokens} exceeds {loaded.name}'s context of {loaded.architecture.max_context} tokens")
+        raise ConfigError(
+            f"--context {num_tokens} exceeds {loaded.name}'s context of {loaded.architecture.max_context} tokens"
+        )
     keys, values = collect_kv(loaded, num_tokens, token_ids)
     save_file({"keys": keys.contiguous(), "values": values.contiguous()}, str(args.output),
               metadata={"model": loaded.name, "tokens": str(keys.shape[2])})

@@ -65,7 +65,9 @@ def compare_modes(
             for request, reference in zip(output.requests, full.requests, strict=True)
         ]
         found = [index for index in divergences if index is not None]
-        speedup = output.stats.decode_tokens_per_s / full.stats.decode_tokens_per_s if full.stats.decode_tokens_per_s else 0.0
+        speedup = (
+            output.stats.decode_tokens_per_s / full.stats.decode_tokens_per_s if full.stats.decode_tokens_per_s else 0.0
+        )
         per_token = output.stats.tier_bytes_read / max(output.stats.new_tokens, 1)
         results.append(ModeResult(mode, output, not found, min(found) if found else None, speedup, per_token))
     return results

@@ -96,7 +96,9 @@ class Engine:
         if self._fetcher is not None and prefilled is None:
             # A lossless verifier's cache is only ever restored from bit-exact chunks.
             resolutions = EXACT if lossless is not None else None
-            sequence.fetch = self._fetcher.submit(request.cache_salt, request.prompt, resolutions, self.callbacks.on_fetched)
+            sequence.fetch = self._fetcher.submit(
+                request.cache_salt, request.prompt, resolutions, self.callbacks.on_fetched
+            )
         self._sequences[sequence.id] = sequence
         self.scheduler.add(sequence)
         return sequence.id
@@ -202,7 +204,9 @@ class Engine:
                 if self.config.interleave_prefill and not job.done:
                     return
             assert job.logits is not None
-            self._start_decoding(sequence, PrefilledPrompt(job.cache, job.draft, job.logits, job.reused_tokens), finished)
+            self._start_decoding(
+                sequence, PrefilledPrompt(job.cache, job.draft, job.logits, job.reused_tokens), finished
+            )
         except Exception as error:  # one request's failure is that request's alone
             self._fail(sequence, error, finished)
 
@@ -230,8 +234,10 @@ class Engine:
         if request.lossless is not None:
             if prefilled.draft is None:
                 raise ConfigError("a lossless request needs its prompt's draft cache prefilled too")
-            sequence.lossless = LosslessState(cache, prefilled.draft, request.lossless, request.lossless.controller(self.costs),
-                                              pending=[first_token], draft_missing=1, totals=self.lossless_stats)
+            sequence.lossless = LosslessState(
+                cache, prefilled.draft, request.lossless, request.lossless.controller(self.costs),
+                pending=[first_token], draft_missing=1, totals=self.lossless_stats,
+            )
         else:
             sequence.cache = cache
         going_on = sequence.emit([first_token])
@@ -256,8 +262,12 @@ class Engine:
         if settings is None or settings.prefix_draft is None or self.prefixes is None:
             return False
         loader = self._loader(request.config.tier)
-        target = PrefixTarget(self.loaded, self.prefixes.get(request.cache_salt), loader, self.stats, self.lossless_stats)
-        started = start_remote(target, self._drafter(settings.draft_weights), request.prompt, settings, request.capacity)
+        target = PrefixTarget(
+            self.loaded, self.prefixes.get(request.cache_salt), loader, self.stats, self.lossless_stats
+        )
+        started = start_remote(
+            target, self._drafter(settings.draft_weights), request.prompt, settings, request.capacity
+        )
         if started is None:
             return False
         self.stats.tier = request.config.tier.name

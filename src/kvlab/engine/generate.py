@@ -85,7 +85,9 @@ def run_requests(
         Exception: What failed a request, re-raised once the others have finished.
     """
     # Every prompt is checked before any work, named by its index in the batch.
-    check_prompts(loaded, [request.prompt for request in requests], max((r.config.max_new_tokens for r in requests), default=1))
+    check_prompts(
+        loaded, [request.prompt for request in requests], max((r.config.max_new_tokens for r in requests), default=1)
+    )
     engine = Engine(loaded, prefixes=None if prefix is None else SinglePrefixSource(prefix), callbacks=callbacks)
     try:
         ids = [engine.add_request(request) for request in requests]

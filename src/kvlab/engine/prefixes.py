@@ -45,7 +45,11 @@ class PrefixFetcher:
         self._fetches = ThreadPoolExecutor(workers, thread_name_prefix="kvlab-prefix-fetch")
 
     def submit(
-        self, salt: str | None, prompt: list[int], resolutions: tuple[str, ...] | None, on_done: Callable[[], None] | None
+        self,
+        salt: str | None,
+        prompt: list[int],
+        resolutions: tuple[str, ...] | None,
+        on_done: Callable[[], None] | None,
     ) -> Future[FetchedPrefix]:
         """The prompt's stored leading chunks at `resolutions` (None: the store's), once fetched; nothing
         when its first chunk is not stored."""

@@ -17,12 +17,15 @@ class GenerationConfig:
     """Decoding settings shared by plain, lossy and lossless generation (each field's help says what
     it does; `kvlab generate` shows the same text)."""
 
-    max_new_tokens: int = dataclasses.field(default=256, metadata={"help": "upper limit on generated tokens per prompt"})
+    max_new_tokens: int = dataclasses.field(
+        default=256, metadata={"help": "upper limit on generated tokens per prompt"}
+    )
     temperature: float = dataclasses.field(
         default=0.0, metadata={"help": "0 decodes greedily; above 0 samples from softmax(logits / temperature)"}
     )
     top_p: float = dataclasses.field(
-        default=1.0, metadata={"help": "nucleus sampling: sample from the smallest set of tokens whose mass reaches top_p"}
+        default=1.0,
+        metadata={"help": "nucleus sampling: sample from the smallest set of tokens whose mass reaches top_p"},
     )
     seed: int = dataclasses.field(
         default=0, metadata={"help": "seed of the sampling generator (sampling is reproducible per seed and batch)"}

@@ -142,7 +142,9 @@ class PromptPrefill:
         self.prompt = prompt
         self.compressor = caches.compressor
         self.prefix = prefix
-        allocate = functools.partial(KVCache.allocate, loaded.architecture, 1, caches.capacity, loaded.dtype, loaded.device)
+        allocate = functools.partial(
+            KVCache.allocate, loaded.architecture, 1, caches.capacity, loaded.dtype, loaded.device
+        )
         self.cache = allocate(caches.compressor)
         self.draft = None if caches.drafter is None else allocate(caches.drafter)
         self.reused_tokens = 0

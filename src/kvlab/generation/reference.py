@@ -68,7 +68,9 @@ def reference_decode(
     if not cache.compressed:  # a compressed cache is the small one that stays in fast memory
         cache = move_to_tier(cache, loader, max(cache.seq_lengths) + config.max_new_tokens)
         stats.tier = config.tier.name
-    checker = StopChecker(loaded.eos_token_ids, config.stop_strings, config.max_new_tokens, loaded.decode, config.ignore_eos)
+    checker = StopChecker(
+        loaded.eos_token_ids, config.stop_strings, config.max_new_tokens, loaded.decode, config.ignore_eos
+    )
     generated: list[list[int]] = [[] for _ in prompts]
     reasons: list[StopReason | None] = [None] * len(prompts)
     active = list(range(len(prompts)))  # the request of each row still in the batch

@@ -20,7 +20,9 @@ class LosslessConfig:
     """How to draft and verify (where the full KV lives is `GenerationConfig.full_kv_tier`; each
     field's help says what it does, and `kvlab generate` shows the same text)."""
 
-    drafter: Compressor = dataclasses.field(metadata={"help": "the compressor whose cache drafts (any registered method)"})
+    drafter: Compressor = dataclasses.field(
+        metadata={"help": "the compressor whose cache drafts (any registered method)"}
+    )
     num_draft_tokens: int | Literal["auto"] = dataclasses.field(
         default="auto",
         metadata={
@@ -28,7 +30,9 @@ class LosslessConfig:
             "and the measured costs of draft and verify forwards"
         },
     )
-    max_num_draft_tokens: int = dataclasses.field(default=64, metadata={"help": "upper bound of adaptive draft lengths"})
+    max_num_draft_tokens: int = dataclasses.field(
+        default=64, metadata={"help": "upper bound of adaptive draft lengths"}
+    )
     schedule: Schedule = dataclasses.field(
         default="staggered",
         metadata={
@@ -69,7 +73,9 @@ class LosslessConfig:
             raise ConfigError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {self.draft_weights!r}")
         if self.prefix_draft is not None and get_resolution(self.prefix_draft).exact:
             low_bit = ", ".join(name for name, resolution in RESOLUTIONS.items() if not resolution.exact)
-            raise ConfigError(f"prefix_draft is the low-bit resolution to draft from, not {self.prefix_draft!r}: use one of {low_bit}")
+            raise ConfigError(
+                f"prefix_draft is the low-bit resolution to draft from, not {self.prefix_draft!r}: use one of {low_bit}"
+            )
         if self.prefix_draft_chunks is not None and self.prefix_draft_chunks < 1:
             raise ConfigError(f"prefix_draft_chunks must be at least 1 or None, got {self.prefix_draft_chunks}")
         if self.schedule not in SCHEDULES:

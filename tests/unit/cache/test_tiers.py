@@ -67,7 +67,11 @@ def test_plain_decoding_on_a_tier_gives_the_memory_tokens_and_reads_the_tier_eve
 @pytest.mark.parametrize("tier", ["memory", *TIERS])
 @pytest.mark.parametrize("schedule", ["staggered", "synchronous"])
 @pytest.mark.parametrize("drafter", ["snapkv", "kivi"])
-def test_ragged_lossless_batches_on_every_tier_decode_each_prompt_as_alone(tier: str, schedule: str, drafter: str) -> None:
+def test_ragged_lossless_batches_on_every_tier_decode_each_prompt_as_alone(
+    tier: str,
+    schedule: str,
+    drafter: str,
+) -> None:
     loaded = tiny_llama(num_kv_heads=2)
     prompts = _prompts(70, 23, 45)
     config = GenerationConfig(max_new_tokens=24, full_kv_tier=tier)
@@ -85,7 +89,8 @@ def test_rows_keep_their_own_draft_lengths() -> None:
     loaded = tiny_llama(num_kv_heads=2)
     prompts = _prompts(60, 40)
     output = generate_lossless(
-        loaded, prompts, GenerationConfig(max_new_tokens=30), LosslessConfig(create_compressor("streamingllm", budget=8))
+        loaded, prompts, GenerationConfig(max_new_tokens=30),
+        LosslessConfig(create_compressor("streamingllm", budget=8)),
     )
     # Rounds are per sequence: their count differs from a lock-stepped batch's multiple of the batch size.
     assert output.lossless.rounds == len(output.lossless.num_draft_tokens_per_round)

@@ -49,7 +49,9 @@ def test_a_missing_data_package_names_the_package_to_install(
 
 def test_report_rerenders_from_the_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for method, kind in (("full", "full"), ("kivi-2", "lossy")):
-        write_json(cell_dir(tmp_path, "smollm2", "squad", method) / METRICS_FILE, _cell("squad", method, kind, 0.5, 9.0, 2.0))
+        write_json(
+            cell_dir(tmp_path, "smollm2", "squad", method) / METRICS_FILE, _cell("squad", method, kind, 0.5, 9.0, 2.0)
+        )
     assert main(["bench", "report", str(tmp_path), "--json"]) == 0
     report = Path(json.loads(capsys.readouterr().out)["report"])
     assert report == tmp_path / "report.md" and "| kivi-2 |" in report.read_text()
@@ -68,7 +70,9 @@ def test_a_progress_line_says_what_is_done_how_long_it_took_and_what_is_left() -
     assert progress_line("smollm2", "squad", "kivi-2", 10, 40, 600.0) == (
         "smollm2: 10/40 samples, 10m00s elapsed, about 30m00s left; next: squad / kivi-2"
     )
-    assert progress_line("gemma3-270m", "xsum", "full", 0, 250, 3.0).endswith("time left unknown yet; next: xsum / full")
+    assert progress_line("gemma3-270m", "xsum", "full", 0, 250, 3.0).endswith(
+        "time left unknown yet; next: xsum / full"
+    )
     assert "1h15m elapsed" in progress_line("m", "t", "r", 1, 2, 4500.0)
 
 

@@ -63,10 +63,16 @@ def test_non_utf8_prompt_file_is_a_usage_error(tmp_path: Path, capsys: pytest.Ca
     [
         (["--lossless", "--drafter", "zipkv"], "unknown compressor 'zipkv'"),
         (["--lossless", "--num-draft-tokens", "0"], "num_draft_tokens must be a positive integer"),
-        (["--lossless", "--num-draft-tokens", "lots"], "argument --num-draft-tokens/--draft-length: expected int | 'auto'"),
+        (
+            ["--lossless", "--num-draft-tokens", "lots"],
+            "argument --num-draft-tokens/--draft-length: expected int | 'auto'",
+        ),
         (["--num-draft-tokens", "4"], "need --lossless"),
         (["--lossless", "--draft-length", "lots"], "argument --num-draft-tokens/--draft-length: expected int | 'auto'"),
-        (["--lossless", "--schedule", "later"], "argument --schedule: expected 'staggered' | 'synchronous', got 'later'"),
+        (
+            ["--lossless", "--schedule", "later"],
+            "argument --schedule: expected 'staggered' | 'synchronous', got 'later'",
+        ),
         (["--max-new-tokens", "many"], "argument --max-new-tokens: expected int, got 'many'"),
         (["--max-new-tokens", "0"], "max_new_tokens must be at least 1"),
         (["--full-kv-tier", "tape"], "full KV tier must be memory, host, disk or emulated:GBPS"),
@@ -89,7 +95,8 @@ def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) 
 
 
 @pytest.mark.parametrize(
-    "argv", [["-v", "ls"], ["ls", "-v"], ["ls", "--verbose"], ["store", "ls", "-v", "memory://"], ["codec", "-v", "bench"]]
+    "argv",
+    [["-v", "ls"], ["ls", "-v"], ["ls", "--verbose"], ["store", "ls", "-v", "memory://"], ["codec", "-v", "bench"]],
 )
 def test_verbose_is_accepted_before_and_after_the_subcommand(argv: list[str]) -> None:
     from kvlab.cli import build_parser
@@ -137,7 +144,11 @@ def test_a_directory_is_not_a_prompt_file(tmp_path: Path, capsys: pytest.Capture
 
 
 @pytest.mark.parametrize(("device", "message"), [("cuda:7", "CUDA device"), ("tpu", "unknown device")])
-def test_a_device_this_machine_lacks_is_a_usage_error(device: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_device_this_machine_lacks_is_a_usage_error(
+    device: str,
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     import torch
 
     if device.startswith("cuda") and torch.cuda.device_count() > 7:

@@ -47,7 +47,11 @@ def one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str], code: in
     return err
 
 
-def test_bad_inputs_print_one_line_and_exit_2(kv_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_inputs_print_one_line_and_exit_2(
+    kv_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     out = str(tmp_path / "out")
     assert "not found" in one_line_error(["codec", "encode", str(tmp_path / "missing"), out], capsys)
     junk = tmp_path / "junk.safetensors"
@@ -103,7 +107,9 @@ def test_encode_json_reports_bits_per_value_and_kv_bytes_ratio(
     import json
 
     frames = tmp_path / "kv.kvc"
-    assert main(["codec", "encode", str(kv_file), str(frames), "--codec", "quant_zstd", "--set", "bits=4", "--json"]) == 0
+    assert main(
+        ["codec", "encode", str(kv_file), str(frames), "--codec", "quant_zstd", "--set", "bits=4", "--json"]
+    ) == 0
     rows = json.loads(capsys.readouterr().out)["tensors"]
     for row in rows:
         num_values = 3 * 40 * 16

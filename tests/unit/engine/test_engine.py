@@ -64,7 +64,11 @@ def test_a_batch_in_every_mode_equals_the_reference_decoder_per_prompt(model: Lo
 def test_plain_lossy_and_lossless_requests_share_ticks_and_each_equals_its_reference(model: LoadedModel) -> None:
     snapkv = create_compressor("snapkv", budget=12)
     engine = Engine(model, EngineConfig(interleave_prefill=True))
-    requests = [Request(PROMPTS[0], CONFIG), Request(PROMPTS[1], CONFIG, snapkv), Request(PROMPTS[2], CONFIG, lossless=lossless())]
+    requests = [
+        Request(PROMPTS[0], CONFIG),
+        Request(PROMPTS[1], CONFIG, snapkv),
+        Request(PROMPTS[2], CONFIG, lossless=lossless()),
+    ]
     ids = run(engine, requests)
     assert engine.output(ids[0]).token_ids == reference(model, PROMPTS[0])
     assert engine.output(ids[1]).token_ids == reference(model, PROMPTS[1], compressor=snapkv)
@@ -102,7 +106,9 @@ def test_cancel_frees_the_request_and_its_output_says_cancelled(model: LoadedMod
     while engine.num_unfinished():
         engine.step()
     assert engine.output(long).stop_reason == "cancelled" and 0 < len(engine.output(long).token_ids) < 200
-    assert engine.output(short).token_ids == reference(model, PROMPTS[1], GenerationConfig(max_new_tokens=6, ignore_eos=True))
+    assert engine.output(short).token_ids == reference(
+        model, PROMPTS[1], GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    )
     engine.release(long)
     with pytest.raises(KeyError):
         engine.output(long)
@@ -164,7 +170,9 @@ def test_each_request_keeps_its_own_schedule(model: LoadedModel, monkeypatch: py
     record_calls(monkeypatch, lossless_round, "request_loads", events)
     record_calls(monkeypatch, engine_runner, "run_packed", events)
     engine = Engine(model)
-    settings = [lossless(num_draft_tokens=3, schedule="staggered"), lossless(num_draft_tokens=3, schedule="synchronous")]
+    settings = [
+        lossless(num_draft_tokens=3, schedule="staggered"), lossless(num_draft_tokens=3, schedule="synchronous")
+    ]
     ids = run(engine, [Request(PROMPTS[0], CONFIG, lossless=s) for s in settings])
     loaded_caches: list[int] = []  # the staggered request loads first: at its first round's start
     for name, args in events:
@@ -243,8 +251,10 @@ def test_each_request_keeps_its_own_prefix_draft_and_prefix_draft_chunks(model: 
 
     prefix.fetch = recording_fetch  # type: ignore[method-assign]
     config = GenerationConfig(max_new_tokens=10, ignore_eos=True, prefill_chunk_tokens=CHUNK)
-    settings = [lossless(prefix_draft="int4", prefix_draft_chunks=2), lossless(prefix_draft="int4", prefix_draft_chunks=None),
-                lossless()]
+    settings = [
+        lossless(prefix_draft="int4", prefix_draft_chunks=2), lossless(prefix_draft="int4", prefix_draft_chunks=None),
+        lossless(),
+    ]
     engine = Engine(model, prefixes=SinglePrefixSource(prefix))
     ids = run(engine, [Request(prompt, config, lossless=s) for s in settings])
     low_bit = [chunks for resolutions, chunks in fetches if resolutions == ("int4",)]
@@ -267,7 +277,8 @@ def slow_prefix(model: LoadedModel, prompt: list[int]) -> PrefixCache:
     writer = PrefixCache.for_model(model, store, config)
     generate(model, [prompt], GenerationConfig(max_new_tokens=4, ignore_eos=True), prefix=writer)
     writer.close()
-    stored = sum(len(store.get(key) or b"") for key in store.keys())
+    # A KVStore is not a dict: keys() is its listing method, and the store itself is not iterable.
+    stored = sum(len(store.get(key) or b"") for key in store.keys())  # noqa: SIM118
     link = ThrottledStore(store, bits_per_s=stored * 8 / 2.0, burst_bytes=1)
     return PrefixCache.for_model(model, link, config)
 

@@ -28,7 +28,7 @@ def test_a_batch_of_different_lengths_equals_each_prompt_alone(tiny_model: Loade
     prompts = _prompts(4, 31, 17)
     config = GenerationConfig(max_new_tokens=24)
     batch = generate(tiny_model, prompts, config)
-    for prompt, request in zip(prompts, batch.requests):
+    for prompt, request in zip(prompts, batch.requests, strict=True):
         alone = generate(tiny_model, [prompt], config).requests[0]
         assert request.token_ids == alone.token_ids
         assert request.prompt_token_ids == prompt
@@ -121,7 +121,11 @@ def test_stats_count_tokens_and_time() -> None:
         ([], GenerationConfig(), "no prompts"),
     ],
 )
-def test_bad_prompts_are_refused_with_a_clear_error(prompts: list[list[int]], config: GenerationConfig, message: str) -> None:
+def test_bad_prompts_are_refused_with_a_clear_error(
+    prompts: list[list[int]],
+    config: GenerationConfig,
+    message: str,
+) -> None:
     with pytest.raises(ConfigError, match=message):
         generate(tiny_llama(), prompts, config)
 

@@ -56,7 +56,9 @@ def test_greedy_output_equals_plain_decoding_across_eos() -> None:
     config = GenerationConfig(max_new_tokens=30)
     expected = reference_generate(loaded, prompts, config)
     assert expected.requests[0].stop_reason == "eos"
-    output = generate_lossless(loaded, prompts, config, LosslessConfig(create_compressor("snapkv", compression_ratio=0.5), 8))
+    output = generate_lossless(
+        loaded, prompts, config, LosslessConfig(create_compressor("snapkv", compression_ratio=0.5), 8)
+    )
     assert [r.token_ids for r in output.requests] == [r.token_ids for r in expected.requests]
     assert [r.stop_reason for r in output.requests] == [r.stop_reason for r in expected.requests]
 
@@ -209,5 +211,7 @@ def test_sampled_lossless_decoding_follows_the_full_models_distribution() -> Non
     expected = marginal[top] * runs
     observed = counts[top]
     rest_expected, rest_observed = runs - expected.sum(), runs - observed.sum()
-    chi_square = float(((observed - expected) ** 2 / expected).sum() + (rest_observed - rest_expected) ** 2 / rest_expected)
+    chi_square = float(
+        ((observed - expected) ** 2 / expected).sum() + (rest_observed - rest_expected) ** 2 / rest_expected
+    )
     assert chi_square < 27.9, chi_square  # 0.999 quantile of chi-square with 8 degrees of freedom

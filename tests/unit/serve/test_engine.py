@@ -84,10 +84,10 @@ def test_greedy_outputs_equal_offline_decoding_while_requests_join_and_leave(
     collector = Collector()
     configs = [GenerationConfig(max_new_tokens=6 + 5 * i, ignore_eos=True) for i in range(len(PROMPTS))]
     # More requests than running slots: the fourth joins when the first leaves.
-    for tag, (prompt, config) in enumerate(zip(PROMPTS, configs)):
+    for tag, (prompt, config) in enumerate(zip(PROMPTS, configs, strict=True)):
         engine.submit(make_request(collector, tag, prompt, config, mode))
         time.sleep(0.01 * tag)
-    for tag, (prompt, config) in enumerate(zip(PROMPTS, configs)):
+    for tag, (prompt, config) in enumerate(zip(PROMPTS, configs, strict=True)):
         event = collector.wait(tag)
         assert isinstance(event, FinishedEvent), event
         expected = offline(loaded, prompt, config, mode)
@@ -97,7 +97,10 @@ def test_greedy_outputs_equal_offline_decoding_while_requests_join_and_leave(
     assert engine.engine.num_unfinished() == 0
 
 
-def test_mixed_modes_share_the_batch_and_each_equals_its_offline_output(engine: ServeEngine, loaded: LoadedModel) -> None:
+def test_mixed_modes_share_the_batch_and_each_equals_its_offline_output(
+    engine: ServeEngine,
+    loaded: LoadedModel,
+) -> None:
     collector = Collector()
     config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
     modes = ["plain", "lossless", "lossy"]
@@ -138,14 +141,18 @@ def test_a_cancelled_request_leaves_the_batch_and_frees_its_row(engine: ServeEng
     engine.submit(request)
     while not any(tag == 0 for tag, _ in collector.log):
         time.sleep(0.001)
-    assert engine.metrics.registry.get_sample_value("kvlab:num_requests_running", {"model_name": engine.loaded.name}) == 1
+    assert engine.metrics.registry.get_sample_value(
+        "kvlab:num_requests_running", {"model_name": engine.loaded.name}
+    ) == 1
     engine.cancel(request)
     deadline = time.monotonic() + 10
     while engine.num_in_system() and time.monotonic() < deadline:
         time.sleep(0.005)
     assert engine.num_in_system() == 0
     assert engine.engine.num_unfinished() == 0, "the cancelled sequence (and its caches) is still in the engine"
-    assert engine.metrics.registry.get_sample_value("kvlab:num_requests_running", {"model_name": engine.loaded.name}) == 0
+    assert engine.metrics.registry.get_sample_value(
+        "kvlab:num_requests_running", {"model_name": engine.loaded.name}
+    ) == 0
     assert collector.done[0].empty(), "a cancelled request must get no further events"
 
 
@@ -155,7 +162,9 @@ def test_seeded_sampling_is_reproducible_per_request_whatever_shares_the_batch(e
     for neighbours in (0, 2):
         collector = Collector()
         for tag in range(neighbours):
-            engine.submit(make_request(collector, 10 + tag, PROMPTS[tag + 1], GenerationConfig(max_new_tokens=8, seed=tag, temperature=1.0)))
+            engine.submit(make_request(
+                collector, 10 + tag, PROMPTS[tag + 1], GenerationConfig(max_new_tokens=8, seed=tag, temperature=1.0)
+            ))
         for mode_tag, mode in ((0, "plain"), (1, "lossless")):
             engine.submit(make_request(collector, mode_tag, PROMPTS[0], sampled, mode))
         results = []
@@ -170,7 +179,9 @@ def test_seeded_sampling_is_reproducible_per_request_whatever_shares_the_batch(e
 
 
 def test_requests_beyond_the_batch_and_the_queue_are_refused(loaded: LoadedModel) -> None:
-    engine = ServeEngine(loaded, ServeConfig(max_num_seqs=1, max_queued_requests=1), LosslessConfig(compressors.create("snapkv")))
+    engine = ServeEngine(
+        loaded, ServeConfig(max_num_seqs=1, max_queued_requests=1), LosslessConfig(compressors.create("snapkv"))
+    )
     collector = Collector()
     long = GenerationConfig(max_new_tokens=300, ignore_eos=True)
     first, second = make_request(collector, 0, PROMPTS[0], long), make_request(collector, 1, PROMPTS[1], long)
@@ -201,9 +212,13 @@ def test_a_stored_prefix_is_fetched_before_prefill_and_changes_no_token(loaded: 
         assert engine.prefixes is not None
         engine.prefixes.get(None).flush()
         second = run_one(engine, PROMPTS[0], generation)
-        assert (first.stats.cached_tokens, second.stats.cached_tokens) == (0, 16), "20 tokens hold 2 reusable 8-token chunks"
+        assert (first.stats.cached_tokens, second.stats.cached_tokens) == (0, 16), (
+            "20 tokens hold 2 reusable 8-token chunks"
+        )
         assert second.output.token_ids == first.output.token_ids == offline(loaded, PROMPTS[0], generation, "lossless")
-        assert engine.metrics.registry.get_sample_value("kvlab:prefix_fetched_tokens_total", {"model_name": loaded.name}) == 16
+        assert engine.metrics.registry.get_sample_value(
+            "kvlab:prefix_fetched_tokens_total", {"model_name": loaded.name}
+        ) == 16
     finally:
         engine.shutdown()
 
@@ -260,7 +275,10 @@ def test_a_request_waiting_for_its_fetch_does_not_block_the_queue(loaded: Loaded
         engine.shutdown()
 
 
-def test_a_request_that_fails_at_admission_fails_alone_and_the_others_go_on(engine: ServeEngine, loaded: LoadedModel) -> None:
+def test_a_request_that_fails_at_admission_fails_alone_and_the_others_go_on(
+    engine: ServeEngine,
+    loaded: LoadedModel,
+) -> None:
     # The seed is validated by GenerationConfig; forced past it, it reproduces an exception inside the
     # engine thread (torch's generator refuses a seed of 2**64), which must fail only its own request.
     poisoned = GenerationConfig(max_new_tokens=4, temperature=0.5)

@@ -75,7 +75,7 @@ class LocalRedisCluster:
 
     def flush(self) -> None:
         """Empty every node (only the primaries hold data; there are no replicas)."""
-        for port, process in zip(self.ports, self.processes):
+        for port, process in zip(self.ports, self.processes, strict=True):
             if process.poll() is None:
                 with self._client(port) as client:
                     client.flushall()

@@ -62,14 +62,20 @@ def model() -> LoadedModel:
 
 def test_a_salt_changes_every_key(model: LoadedModel) -> None:
     def keys(salt: str | None) -> list[str]:
-        return PrefixCache.for_model(model, "memory://", PrefixConfig(chunk_tokens=16, cache_salt=salt)).keys(PROMPT, "exact")
+        return PrefixCache.for_model(
+            model, "memory://", PrefixConfig(chunk_tokens=16, cache_salt=salt)
+        ).keys(PROMPT, "exact")
 
     unsalted, tenant_a, tenant_b = keys(None), keys("tenant-a"), keys("tenant-b")
     assert not set(unsalted) & set(tenant_a) and not set(tenant_a) & set(tenant_b)
     assert keys("tenant-a") == tenant_a, "a salt must give stable keys"
 
 
-def test_no_secret_is_said_once_per_shared_store(model: LoadedModel, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_no_secret_is_said_once_per_shared_store(
+    model: LoadedModel,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     PrefixCache.for_model(model, "memory://", sealer=ChunkSealer(None))
     PrefixCache.for_model(model, f"file://{tmp_path}", sealer=ChunkSealer(SECRET))
     assert not [r for r in caplog.records if r.name == "kvlab.store.auth"]
@@ -115,7 +121,9 @@ def test_fetch_aware_admission_serves_every_request_when_the_store_is_down(model
 
 def test_fetch_aware_admission_serves_the_others_when_a_fetch_raises(model: LoadedModel) -> None:
     store = create_store("memory://")
-    prefix = PrefixCache.for_model(model, store, PrefixConfig(chunk_tokens=16, allow_recompute=False), ChunkSealer(None))
+    prefix = PrefixCache.for_model(
+        model, store, PrefixConfig(chunk_tokens=16, allow_recompute=False), ChunkSealer(None)
+    )
     generate(model, [PROMPT], CONFIG, prefix=prefix)
     prefix.flush()
     prefix.fetch = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("worker died"))  # type: ignore[method-assign]

@@ -44,7 +44,9 @@ def test_url_options_are_parsed() -> None:
     assert "secret" not in store.url, "the password must not appear in error messages"
     defaults = create_store("redis://")
     assert isinstance(defaults, RedisStore)
-    assert (defaults.host, defaults.port, defaults._pool.connection_kwargs["socket_timeout"]) == ("localhost", 6379, 5.0)
+    assert (defaults.host, defaults.port, defaults._pool.connection_kwargs["socket_timeout"]) == (
+        "localhost", 6379, 5.0
+    )
 
 
 @pytest.mark.parametrize(
