@@ -18,8 +18,8 @@ from kvlab.engine import generate
 from kvlab.models import LoadedModel
 from kvlab.store import ChunkSealer, KVStore, StoredValueError, create_store
 from kvlab.store.backends.file import FileStore
-from kvlab.store.prefix import PrefixCache
 from kvlab.store.backends.redis import NAMESPACE
+from kvlab.store.prefix import PrefixCache
 from kvlab.store.resolution import exact_resolutions
 from tests.hostile.conftest import CHUNK, CONFIG, OTHER, SECRET, VICTIM, plant, prefix_config
 from tests.unit.store.conftest import redis_cluster, redis_cluster_url  # noqa: F401 - the cluster fixtures

@@ -16,11 +16,11 @@ from kvlab.bench.methods import parse_method
 from kvlab.bench.presets import DEFAULT_PRESET, PRESETS
 from kvlab.bench.report import render_report
 from kvlab.bench.tasks import tasks
-from kvlab.timing import Stopwatch
 from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json
 from kvlab.cli.flags import add_config_flags, given_values
 from kvlab.errors import ConfigError
 from kvlab.registry import parse_value
+from kvlab.timing import Stopwatch
 
 RUN_FIELDS = ("dtype", "device", "repeats", "threads")
 

@@ -10,7 +10,7 @@ from kvlab.cli.base import EXIT_OK, Command, add_json_flag, print_json, read_pro
 from kvlab.cli.flags import add_config_flags, given_values
 from kvlab.cli.progress import TokenProgress
 from kvlab.compress import compressors
-from kvlab.engine.compare import compare_modes
+from kvlab.engine import compare_modes
 from kvlab.generation import GenerationConfig
 from kvlab.lossless import LosslessConfig, LosslessOutput
 from kvlab.models import DEFAULT_MODEL, load_model
@@ -41,7 +41,8 @@ class DemoCommand(Command):
             help="compressor parameter (default: compression_ratio=0.9)",
         )
         add_config_flags(
-            parser, LosslessConfig, ("num_draft_tokens",), flags={"num_draft_tokens": ["--num-draft-tokens", "--draft-length"]}
+            parser, LosslessConfig, ("num_draft_tokens",),
+            flags={"num_draft_tokens": ["--num-draft-tokens", "--draft-length"]},
         )
         add_json_flag(parser)
 
@@ -86,7 +87,9 @@ class DemoCommand(Command):
         )
         print(f"{'mode':<9} {'output':<24} {'decode tok/s':>12} {'vs full':>8} {'full KV read/token':>19}  acceptance")
         for result in results:
-            verdict = "identical to full KV" if result.identical_to_full else f"differs at token {result.first_divergence}"
+            verdict = (
+                "identical to full KV" if result.identical_to_full else f"differs at token {result.first_divergence}"
+            )
             acceptance = (
                 f"{result.output.lossless.acceptance_length:.1f} tokens/round"
                 if isinstance(result.output, LosslessOutput)

@@ -83,7 +83,6 @@ class KIVICompressor(QuantizationCompressor):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_range("group_size", self.group_size, 1, MAX_TOKENS)
-        check_range("residual_length", self.residual_length, 0, MAX_TOKENS)
 
     @property
     def flush_size(self) -> int:

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from kvlab.compress.base import FP16_BYTES, CompressedKV, CompressionContext, Compressor
+from kvlab.compress.base import FP16_BYTES, MAX_TOKENS, CompressedKV, CompressionContext, Compressor, check_range
 from kvlab.errors import ConfigError
 
 FULL_PRECISION_BITS = 16
@@ -127,8 +127,7 @@ class QuantizationCompressor(Compressor):
         if self.bits not in self.allowed_bits:
             allowed = ", ".join(str(b) for b in self.allowed_bits)
             raise ConfigError(f"bits must be one of {allowed}, got {self.bits}")
-        if self.residual_length < 0:
-            raise ConfigError(f"residual_length must be >= 0, got {self.residual_length}")
+        check_range("residual_length", self.residual_length, 0, MAX_TOKENS)
 
     @property
     def is_identity(self) -> bool:

@@ -10,7 +10,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from kvlab.compress.base import FP16_BYTES, MAX_SEED, MAX_TOKENS, check_range, compressors
+from kvlab.compress.base import FP16_BYTES, MAX_SEED, check_range, compressors
 from kvlab.compress.quantization import (
     FULL_PRECISION_BITS,
     QuantizationCompressor,
@@ -90,7 +90,6 @@ class TurboQuantCompressor(QuantizationCompressor):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_range("residual_length", self.residual_length, 0, MAX_TOKENS)
         check_range("seed", self.seed, 0, MAX_SEED)
 
     def overhead_nbytes(self) -> int:

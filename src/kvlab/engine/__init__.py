@@ -4,6 +4,7 @@
 `generate_lossless` are its offline front doors for a batch of prompts.
 """
 
+from kvlab.engine.compare import ModeResult, compare_modes, first_divergence
 from kvlab.engine.config import EngineCallbacks, EngineConfig
 from kvlab.engine.engine import EXACT, Engine
 from kvlab.engine.generate import generate, generate_lossless, run_requests
@@ -16,11 +17,14 @@ __all__ = [
     "EngineCallbacks",
     "EngineConfig",
     "Mode",
+    "ModeResult",
     "PrefilledPrompt",
     "PrefixFetcher",
     "PrefixSources",
     "Request",
     "SinglePrefixSource",
+    "compare_modes",
+    "first_divergence",
     "generate",
     "generate_lossless",
     "run_requests",

@@ -50,6 +50,17 @@ class Request:
         return "plain" if self.compressor is None else "lossy"
 
     @property
+    def num_tokens(self) -> int:
+        """Prompt and new tokens: what the request may hold in its cache, a round's drafts aside."""
+        return len(self.prompt) + self.config.max_new_tokens
+
+    @property
+    def drafter_name(self) -> str | None:
+        """The registry name of the compressor whose cache decodes (lossy) or drafts (lossless)."""
+        compressor = self.compressor if self.lossless is None else self.lossless.drafter
+        return None if compressor is None else str(type(compressor).registry_name)  # type: ignore[attr-defined]
+
+    @property
     def capacity(self) -> int:
         """Tokens the request's caches must hold: prompt, new tokens and, lossless, one round's drafts."""
         drafts = 0 if self.lossless is None else self.lossless.max_num_draft_tokens + 2

@@ -29,17 +29,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvlab.engine import Request as EngineRequest
 from kvlab.errors import ConfigError
 from kvlab.generation.text import TextDeltas
 from kvlab.lossless.config import LosslessConfig
-from kvlab.serve.config import AccessPolicy, ServeConfig
+from kvlab.serve.access import AccessGuard
+from kvlab.serve.config import ServeConfig
 from kvlab.serve.engine import EngineClosedError, ServeEngine, ServerBusyError
 from kvlab.serve.metrics import CONTENT_TYPE
-from kvlab.serve.options import ResolvedRequest, TokenBudget, resolve
+from kvlab.serve.options import TokenBudget, resolve
 from kvlab.serve.page import PAGE
 from kvlab.serve.protocol import (
     MAX_BODY_BYTES,
@@ -54,6 +54,7 @@ from kvlab.serve.protocol import (
     usage,
 )
 from kvlab.serve.request import Event, FailedEvent, FinishedEvent, RequestStats, ServeRequest, TokensEvent
+from kvlab.timing import timestamp_s
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ class CompletionRoute:
         self.budget = TokenBudget(config.max_tokens_in_system, engine.metrics.tokens_in_system)
 
     async def __call__(self, request: Request, chat: bool) -> Response:
-        arrival_s = time.perf_counter()  # latencies count tokenization and validation too
+        arrival_s = timestamp_s()  # latencies count tokenization and validation too
         _check_key(self.config, request)
         body = await self._body(request, ChatCompletionRequest if chat else CompletionRequest)
         try:
@@ -186,7 +187,7 @@ class CompletionRoute:
         return body
 
     def _submit(
-        self, resolved: ResolvedRequest, release: Callable[[], None], arrival_s: float
+        self, resolved: EngineRequest, release: Callable[[], None], arrival_s: float
     ) -> tuple[asyncio.Queue[Event], Callable[[], None]]:
         """Queue the request; returns its events and what cancels it. Its tokens go back when it ends."""
         loop = asyncio.get_running_loop()
@@ -198,8 +199,7 @@ class CompletionRoute:
             with contextlib.suppress(RuntimeError):  # the event loop is gone (server stopped): nobody listens
                 loop.call_soon_threadsafe(events.put_nowait, event)
 
-        job = ServeRequest(resolved.prompt, resolved.config, resolved.mode, resolved.compressor, resolved.lossless,
-                           resolved.cache_salt, sink, arrival_s=arrival_s)
+        job = ServeRequest(resolved, sink, arrival_s=arrival_s)
 
         def cancel() -> None:  # the engine sends a cancelled request no further events
             self.engine.cancel(job)
@@ -271,9 +271,12 @@ def _usage(stats: RequestStats) -> dict[str, Any]:
     return usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
 
 
-def _failure(engine: ServeEngine, event: FailedEvent) -> APIError:
-    """A failed request's error: 503 when the shutdown timeout cut it, 500 when it failed (logged by the engine)."""
-    if engine.closing and engine.failure is None:
+def _failure(event: FailedEvent) -> APIError:
+    """A failed request's error: 400 when it asked for what cannot be done, 503 when the shutdown cut it,
+    500 when it failed (logged by the engine)."""
+    if event.kind == "invalid":
+        return APIError(400, event.message)
+    if event.kind == "shutdown":
         return APIError(503, event.message, "server_error", code="shutting_down")
     return APIError(500, event.message, "server_error")
 
@@ -292,7 +295,7 @@ async def _complete(
                     return Response(status_code=499)
                 continue
             if isinstance(event, FailedEvent):
-                raise _failure(engine, event)
+                raise _failure(event)
             if isinstance(event, FinishedEvent):
                 body = completion_body(reply.id, reply.model, reply.chat, event.output.text, _finish_reason(event))
                 body["usage"] = _usage(event.stats)
@@ -323,7 +326,7 @@ async def _stream(
                 continue
             finished = True
             if isinstance(event, FailedEvent):
-                error = _failure(engine, event)
+                error = _failure(event)
                 yield _sse(error_body(error.message, error.kind, code=error.code))
                 break
             assert isinstance(event, FinishedEvent)
@@ -343,57 +346,3 @@ async def _stream(
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-class AccessGuard:
-    """ASGI middleware: answer only requests for a Host the server answers to, from its own pages or an
-    allowed origin (`AccessPolicy`); CORS headers and preflight answers go to allowed origins alone."""
-
-    def __init__(self, app: ASGIApp, config: ServeConfig) -> None:
-        self.app, self.policy, self.port = app, AccessPolicy.of(config), config.port
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = Headers(scope=scope)
-        host = headers.get("host", "").strip().lower()
-        server = scope.get("server")  # the port the connection came in on (port 0 is known only then)
-        if not self.policy.allows_host(host, int(server[1]) if server and server[1] is not None else self.port):
-            message = (f"this server does not answer to Host {host[:100]!r}; "
-                       "start it with --allowed-hosts NAME[:PORT] to add that name")
-            await _send_error(send, 400, message, "invalid_host")
-            return
-        origin = headers.get("origin")
-        if origin is None or AccessPolicy.is_own_origin(origin, host):
-            await self.app(scope, receive, send)  # not from a web page, or from one the server served
-            return
-        if not self.policy.allows_origin(origin):
-            message = (f"requests from pages of {origin[:100]!r} are refused; "
-                       "start the server with --allowed-origins ORIGIN to allow them")
-            await _send_error(send, 403, message, "origin_not_allowed")
-            return
-        cors = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
-        if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
-            allowed = headers.get("access-control-request-headers") or "authorization, content-type"
-            await send({"type": "http.response.start", "status": 204, "headers": [
-                *cors, (b"access-control-allow-methods", b"GET, POST"),
-                (b"access-control-allow-headers", allowed.encode("latin-1")), (b"access-control-max-age", b"600"),
-            ]})
-            await send({"type": "http.response.body", "body": b""})
-            return
-
-        async def send_with_cors(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), *cors]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_cors)
-
-
-async def _send_error(send: Send, status: int, message: str, code: str) -> None:
-    body = json.dumps(error_body(message, "invalid_request_error", code=code)).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-    ]})
-    await send({"type": "http.response.body", "body": body})

@@ -146,7 +146,7 @@ class ServeConfig:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AccessPolicy:
-    """Which `Host` and `Origin` headers the server answers (`kvlab.serve.app.AccessGuard` applies it).
+    """Which `Host` and `Origin` headers the server answers (`kvlab.serve.access.AccessGuard` applies it).
 
     Attributes:
         hosts: Names answered, `NAME` or `NAME:PORT` (`*`: any).

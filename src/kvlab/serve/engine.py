@@ -21,8 +21,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvlab.engine import Engine, EngineCallbacks, EngineConfig, Request
-from kvlab.errors import KvlabError
+from kvlab.engine import Engine, EngineCallbacks, EngineConfig
+from kvlab.errors import ConfigError, KvlabError
 from kvlab.lossless.config import LosslessConfig
 from kvlab.models import LoadedModel
 from kvlab.serve.config import ServeConfig
@@ -69,7 +69,9 @@ class ServeEngine:
         self.failure: str | None = None
         self.prefixes = None
         if config.prefix_store is not None:
-            self.prefixes = SaltedPrefixes(loaded, config.prefix_store, config.prefix_chunk_tokens, config.max_cache_salts)
+            self.prefixes = SaltedPrefixes(
+                loaded, config.prefix_store, config.prefix_chunk_tokens, config.max_cache_salts
+            )
         self._cond = threading.Condition()
         self._incoming: collections.deque[ServeRequest] = collections.deque()
         self._requests: dict[int, ServeRequest] = {}  # by engine id; read and written by the engine thread
@@ -170,9 +172,10 @@ class ServeEngine:
         for request in incoming:
             self._admit(request)
         self._drop_cancelled()
+        self._update_gauges()
         if self.engine.has_work():
             self._deliver(self.engine.step())
-        self._update_gauges()
+            self._update_gauges()
         return True
 
     def _admit(self, request: ServeRequest) -> None:
@@ -181,11 +184,12 @@ class ServeEngine:
             return
         # Prefill pieces are the server's (a prefix store's chunks when it has one).
         pieces = None if self.prefixes is not None else self.config.prefill_chunk_tokens
-        compressor = request.compressor if request.mode == "lossy" else None
         try:
-            config = dataclasses.replace(request.config, prefill_chunk_tokens=pieces)
-            request_id = self.engine.add_request(Request(request.prompt, config, compressor, request.lossless,
-                                                         request.cache_salt))
+            config = dataclasses.replace(request.request.config, prefill_chunk_tokens=pieces)
+            request_id = self.engine.add_request(dataclasses.replace(request.request, config=config))
+        except ConfigError as error:  # a setting the engine cannot honour: the client's to change
+            self._leave(request, "invalid", FailedEvent(str(error), "invalid"))
+            return
         except Exception as error:  # one request's failure is that request's alone
             logger.exception("admitting a request failed")
             self._leave(request, "error", FailedEvent(f"admission failed: {type(error).__name__}: {error}"))
@@ -211,6 +215,9 @@ class ServeEngine:
             self.engine.release(request_id)
             if request is None:
                 continue
+            if isinstance(error, ConfigError):
+                self._leave(request, "invalid", FailedEvent(str(error), "invalid"))
+                continue
             if error is not None:
                 logger.error("a request failed: %s: %s", type(error).__name__, error, exc_info=error)
                 self._leave(request, "error", FailedEvent(f"the request failed: {type(error).__name__}: {error}"))
@@ -226,12 +233,18 @@ class ServeEngine:
             self.metrics.finished("stop" if output.stop_reason in ("eos", "stop_string") else output.stop_reason)
             self._leave(request, None, FinishedEvent(output, stats))
 
-    def _leave(self, request: ServeRequest, failure: str | None, event: FinishedEvent | FailedEvent | None = None) -> None:
+    def _leave(
+        self,
+        request: ServeRequest,
+        failure: str | None,
+        event: FinishedEvent | FailedEvent | None = None,
+    ) -> None:
         """`request` is out of the system: count it, then send its last event (none when cancelled)."""
         if failure is not None:
             self.metrics.failed(failure)
         with self._cond:
             self._num_in_system -= 1
+        self._update_gauges()  # before the last event: a client that reads /metrics next sees it gone
         if event is not None:
             request.sink(event)
 
@@ -242,8 +255,11 @@ class ServeEngine:
             self.engine.release(request_id)
         self._requests.clear()
         for request in requests:
-            cancelled, request.cancelled = request.cancelled, True
-            self._leave(request, None if cancelled else "error", None if cancelled else FailedEvent(message))
+            if request.cancelled:  # its client is gone: it is only counted out
+                self._leave(request, None)
+                continue
+            request.cancelled = True
+            self._leave(request, "error", FailedEvent(message, "shutdown"))
 
     def _die(self, reason: str) -> None:
         """Fail every request in the system and refuse new ones: the engine thread is gone."""
@@ -273,8 +289,9 @@ class ServeEngine:
         request = self._requests[request_id]
         request.prefill_start_s = timestamp_s()
         request.cached_tokens = self.engine.reused_tokens(request_id)
-        self.metrics.prompt_tokens.inc(len(request.prompt))
+        self.metrics.prompt_tokens.inc(len(request.request.prompt))
         self.metrics.prefix_fetched_tokens.inc(request.cached_tokens)
+        self._update_gauges()  # it runs from its prefill on, before its first token reaches the client
 
     def _on_prefill_piece(self, request_id: int, num_tokens: int) -> None:
         self.metrics.prefix_recomputed_tokens.inc(num_tokens)

@@ -10,7 +10,8 @@ from typing import Any
 
 from prometheus_client import Gauge
 
-from kvlab.compress import Compressor, compressors
+from kvlab.compress import compressors
+from kvlab.engine import Request
 from kvlab.errors import ConfigError
 from kvlab.generation.config import GenerationConfig
 from kvlab.lossless.config import LosslessConfig
@@ -25,27 +26,10 @@ from kvlab.serve.protocol import ChatCompletionRequest, CompletionRequest
 MAX_CHARS_PER_TOKEN = 32
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ResolvedRequest:
-    """A request's engine settings (see `kvlab.serve.request.ServeRequest`)."""
-
-    prompt: list[int]
-    config: GenerationConfig
-    mode: Mode
-    compressor: Compressor | None
-    lossless: LosslessConfig | None
-    cache_salt: str | None
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt + max_tokens: what the request may hold in the KV cache."""
-        return len(self.prompt) + self.config.max_new_tokens
-
-
 Body = CompletionRequest | ChatCompletionRequest
 
 
-def resolve(body: Body, loaded: LoadedModel, serve: ServeConfig, default_lossless: LosslessConfig) -> ResolvedRequest:
+def resolve(body: Body, loaded: LoadedModel, serve: ServeConfig, default_lossless: LosslessConfig) -> Request:
     """Tokenize and check `body` against the server's limits.
 
     Raises:
@@ -86,12 +70,12 @@ def resolve(body: Body, loaded: LoadedModel, serve: ServeConfig, default_lossles
             f"the prompt ({len(prompt)} tokens) and max_tokens ({config.max_new_tokens}) pass the "
             f"{serve.max_tokens_in_system} tokens this server holds at once (max_tokens_in_system)"
         )
-    lossless = None
-    if mode == "lossless":
-        assert compressor is not None
-        draft_length = default_lossless.num_draft_tokens if options.draft_length is None else options.draft_length
-        lossless = dataclasses.replace(default_lossless, drafter=compressor, num_draft_tokens=draft_length)
-    return ResolvedRequest(prompt, config, mode, compressor, lossless, options.cache_salt)
+    if mode != "lossless":
+        return Request(prompt, config, compressor, cache_salt=options.cache_salt)
+    assert compressor is not None
+    draft_length = default_lossless.num_draft_tokens if options.draft_length is None else options.draft_length
+    lossless = dataclasses.replace(default_lossless, drafter=compressor, num_draft_tokens=draft_length)
+    return Request(prompt, config, lossless=lossless, cache_salt=options.cache_salt)
 
 
 def _too_long(num_tokens: int, limit: int) -> ConfigError:

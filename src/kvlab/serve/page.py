@@ -81,7 +81,9 @@ async function send() {
   const button = $("send");
   button.disabled = true;
   $("output").textContent = "";
-  for (const id of ["stat-tps", "stat-ttft", "stat-tokens", "stat-acceptance", "stat-cached"]) $(id).textContent = "\\u2013";
+  for (const id of ["stat-tps", "stat-ttft", "stat-tokens", "stat-acceptance", "stat-cached"]) {
+    $(id).textContent = "\\u2013";
+  }
   setStatus("waiting for the first token...");
   const kvlab = { mode: modeSelect.value };
   if (kvlab.mode !== "plain") {

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
-from kvlab.compress import Compressor
-from kvlab.generation.config import GenerationConfig
+from kvlab.engine import Request
 from kvlab.generation.outputs import RequestOutput
-from kvlab.lossless.config import LosslessConfig
 from kvlab.lossless.stats import LosslessStats
 from kvlab.serve.config import Mode
 from kvlab.timing import timestamp_s
@@ -30,11 +28,20 @@ class FinishedEvent:
     stats: RequestStats
 
 
+FailureKind = Literal["invalid", "shutdown", "error"]
+
+
 @dataclasses.dataclass(slots=True)
 class FailedEvent:
-    """The request could not be completed (`message` is safe to show the client)."""
+    """The request could not be completed (`message` is safe to show the client).
+
+    Attributes:
+        kind: "invalid": the request asked for what cannot be done (HTTP 400); "shutdown": the server's
+            shutdown cut it (503); "error": it failed in the engine (500, logged there).
+    """
 
     message: str
+    kind: FailureKind = "error"
 
 
 Event = TokensEvent | FinishedEvent | FailedEvent
@@ -86,12 +93,7 @@ class ServeRequest:
     """One request from arrival to its last event.
 
     Attributes:
-        prompt: Token ids the model is fed.
-        config: Its decoding settings (sampling, seed, stop strings, max new tokens).
-        mode: plain, lossy or lossless.
-        compressor: Lossy: the cache decoding reads; lossless: the drafter's (`lossless.drafter`).
-        lossless: Draft settings (lossless mode only).
-        cache_salt: Prefix-store namespace.
+        request: What the engine decodes: prompt, settings, mode, drafter, cache salt.
         sink: Where its events go.
         arrival_s: `kvlab.timing.timestamp_s()` at arrival.
         engine_id: Its id in the engine, once admitted to it.
@@ -102,12 +104,7 @@ class ServeRequest:
         num_tokens: Tokens sent so far.
     """
 
-    prompt: list[int]
-    config: GenerationConfig
-    mode: Mode
-    compressor: Compressor | None
-    lossless: LosslessConfig | None
-    cache_salt: str | None
+    request: Request
     sink: EventSink
     arrival_s: float = dataclasses.field(default_factory=timestamp_s)
     engine_id: int | None = None
@@ -121,8 +118,10 @@ class ServeRequest:
 
     def finish_stats(self, completion_tokens: int) -> RequestStats:
         """The reply's figures once the request has stopped."""
-        drafter = None if self.compressor is None else str(type(self.compressor).registry_name)  # type: ignore[attr-defined]
-        stats = RequestStats(self.mode, drafter, len(self.prompt), completion_tokens, self.cached_tokens)
+        request = self.request
+        stats = RequestStats(
+            request.mode, request.drafter_name, len(request.prompt), completion_tokens, self.cached_tokens
+        )
         if self.prefill_start_s is not None:
             stats.queue_s = self.prefill_start_s - self.arrival_s
         if self.first_token_s is not None and self.last_token_s is not None:

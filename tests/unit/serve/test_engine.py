@@ -7,10 +7,12 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from kvlab.compress import compressors
+from kvlab.engine import Request
 from kvlab.generation import GenerationConfig, reference_generate
 from kvlab.lossless import LosslessConfig
 from kvlab.models import LoadedModel
@@ -55,7 +57,8 @@ def make_request(collector: Collector, tag: int, prompt: list[int], config: Gene
     if mode == "lossless":
         assert compressor is not None
         lossless = LosslessConfig(compressor, draft_length)  # type: ignore[arg-type]
-    return ServeRequest(prompt, config, mode, compressor, lossless, None, collector._sinks[tag])  # type: ignore[arg-type]
+    request = Request(prompt, config, compressor if mode == "lossy" else None, lossless)
+    return ServeRequest(request, collector._sinks[tag])
 
 
 @pytest.fixture(scope="module")
@@ -275,21 +278,29 @@ def test_a_request_waiting_for_its_fetch_does_not_block_the_queue(loaded: Loaded
         engine.shutdown()
 
 
-def test_a_request_that_fails_at_admission_fails_alone_and_the_others_go_on(
-    engine: ServeEngine,
-    loaded: LoadedModel,
+def poisoned_seed() -> tuple[list[int], GenerationConfig]:
+    # The seed is validated by GenerationConfig; forced past it, it reaches the engine thread, where
+    # torch's generator would refuse a seed of 2**64: it must fail only its own request.
+    config = GenerationConfig(max_new_tokens=4, temperature=0.5)
+    object.__setattr__(config, "seed", 1 << 64)
+    return PROMPTS[1], config
+
+
+def poisoned_prompt() -> tuple[list[int], GenerationConfig]:
+    return [999] * 4, GenerationConfig(max_new_tokens=4)  # ids past the vocabulary: the prefill raises
+
+
+@pytest.mark.parametrize(("poison", "kind"), [(poisoned_seed, "invalid"), (poisoned_prompt, "error")])
+def test_a_request_that_fails_in_the_engine_fails_alone_and_the_others_go_on(
+    engine: ServeEngine, loaded: LoadedModel, poison: Any, kind: str
 ) -> None:
-    # The seed is validated by GenerationConfig; forced past it, it reproduces an exception inside the
-    # engine thread (torch's generator refuses a seed of 2**64), which must fail only its own request.
-    poisoned = GenerationConfig(max_new_tokens=4, temperature=0.5)
-    object.__setattr__(poisoned, "seed", 1 << 64)
     collector = Collector()
     good = GenerationConfig(max_new_tokens=8, ignore_eos=True)
     engine.submit(make_request(collector, 0, PROMPTS[0], good))
-    engine.submit(make_request(collector, 1, PROMPTS[1], poisoned))
+    engine.submit(make_request(collector, 1, *poison()))
     engine.submit(make_request(collector, 2, PROMPTS[2], good))
     failed = collector.wait(1)
-    assert isinstance(failed, FailedEvent) and "admission failed" in failed.message, failed
+    assert isinstance(failed, FailedEvent) and failed.kind == kind, failed
     for tag in (0, 2):
         event = collector.wait(tag)
         assert isinstance(event, FinishedEvent), f"request {tag} did not finish beside the failed one: {event}"

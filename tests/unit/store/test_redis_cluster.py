@@ -13,9 +13,9 @@ from kvlab.errors import ConfigError
 from kvlab.generation.config import GenerationConfig
 from kvlab.models import LoadedModel
 from kvlab.store import KVStore, StoreUnavailableError, create_store
-from kvlab.store.prefix import PrefixCache, PrefixConfig
 from kvlab.store.backends.redis import NAMESPACE
 from kvlab.store.backends.redis_cluster import RedisClusterStore
+from kvlab.store.prefix import PrefixCache, PrefixConfig
 from tests.helpers import free_port, tiny_llama
 from tests.unit.store.redis_cluster_nodes import LocalRedisCluster
 

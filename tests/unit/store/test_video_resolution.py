@@ -11,9 +11,9 @@ from kvlab.generation import GenerationConfig
 from kvlab.lossless import LosslessConfig
 from kvlab.models import LoadedModel
 from kvlab.store.auth import ChunkSealer
+from kvlab.store.prefix import PrefixCache, PrefixConfig
 from kvlab.store.prefix.fetcher import Estimates, PrefixFetcher
 from kvlab.store.prefix.planner import RECOMPUTE
-from kvlab.store.prefix import PrefixCache, PrefixConfig
 from kvlab.store.resolution import (
     RESOLUTIONS,
     ChunkGeometry,

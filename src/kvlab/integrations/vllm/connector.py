@@ -37,8 +37,8 @@ from kvlab.errors import ConfigError
 from kvlab.integrations.vllm.layouts import BlockLayout, block_layout, slots_of
 from kvlab.integrations.vllm.model import prefix_parameters, served_model
 from kvlab.store import create_store
-from kvlab.store.prefix.fetched import FetchedPrefix
 from kvlab.store.prefix import PrefixCache, PrefixConfig
+from kvlab.store.prefix.fetched import FetchedPrefix
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -15,7 +15,6 @@ not handle). With a store secret (`kvlab.store.auth`) every chunk is authenticat
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import threading
@@ -24,17 +23,17 @@ from typing import Protocol
 
 import torch
 
+from kvlab.cache import LayerKV
 from kvlab.errors import ConfigError
 from kvlab.models import LoadedModel, model_identity
 from kvlab.store.auth import ChunkAuthError, ChunkSealer, warn_if_unauthenticated
 from kvlab.store.backends.base import KVStore, StoredValueError, StoreUnavailableError, create_store
-from kvlab.cache import LayerKV
+from kvlab.store.keys import chunk_keys, fingerprint
 from kvlab.store.prefix.config import PrefixConfig
 from kvlab.store.prefix.fetched import FetchedPrefix, FetchStats
 from kvlab.store.prefix.fetcher import Estimates, Fault, PrefixFetcher
-from kvlab.store.keys import chunk_keys, fingerprint
-from kvlab.store.resolution import RESOLUTIONS, ChunkGeometry, encode_chunk, get_resolution
 from kvlab.store.prefix.writer import ChunkWriter
+from kvlab.store.resolution import RESOLUTIONS, ChunkGeometry, encode_chunk
 from kvlab.timing import Stopwatch
 
 # One logger name for every fetch fault, which users and tests filter on.

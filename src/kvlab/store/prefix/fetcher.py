@@ -24,8 +24,8 @@ import torch
 from kvlab.codec import CodecError
 from kvlab.store.auth import ChunkSealer
 from kvlab.store.backends.base import KVStore
-from kvlab.store.prefix.fetched import FetchedPrefix
 from kvlab.store.prefix.config import PrefixConfig
+from kvlab.store.prefix.fetched import FetchedPrefix
 from kvlab.store.prefix.planner import RECOMPUTE, ResolutionCost, plan_chunks
 from kvlab.store.resolution import (
     RESOLUTIONS,
@@ -36,7 +36,6 @@ from kvlab.store.resolution import (
     max_chunk_bytes,
 )
 from kvlab.timing import Stopwatch
-
 
 _Decoded = tuple[torch.Tensor, torch.Tensor, float, TokenRestore | None]
 _Arrival = tuple[int, str, "Future[_Decoded] | None", int, float]
