@@ -27,7 +27,9 @@ RUN_FIELDS = ("dtype", "device", "repeats", "threads")
 
 class BenchCommand(Command):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("action", nargs="?", choices=("run", "report"), default="run", help="run (default) or report")
+        parser.add_argument(
+            "action", nargs="?", choices=("run", "report"), default="run", help="run (default) or report"
+        )
         parser.add_argument("directory", nargs="?", type=Path, help="results folder (for `report`)")
         parser.add_argument(
             "--preset",
@@ -164,7 +166,8 @@ class BarCallbacks(BenchCallbacks):
         self._total, self._done = total_samples, 0
         self._clock.restart()
         self._bar = tqdm(
-            total=total_samples, unit="sample", file=sys.stderr, disable=not self.enabled, dynamic_ncols=True, desc=model
+            total=total_samples, unit="sample", file=sys.stderr, disable=not self.enabled, dynamic_ncols=True,
+            desc=model,
         )
 
     def on_cell(self, model: str, task: str, method: str) -> None:
