@@ -35,7 +35,8 @@ def front_door_imports() -> list[tuple[str, int, str, str]]:
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvlab"):
                 found += [(module, node.lineno, node.module, alias.name) for alias in node.names]
             elif isinstance(node, ast.Import):
-                found += [(module, node.lineno, alias.name, "") for alias in node.names if alias.name.startswith("kvlab")]
+                found += [(module, node.lineno, alias.name, "")
+                          for alias in node.names if alias.name.startswith("kvlab")]
     return found
 
 

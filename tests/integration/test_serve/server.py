@@ -30,14 +30,17 @@ class ServeProcess:
         self.log = workdir / f"serve-{self.port}.log"
         command = [sys.executable, "-m", "kvlab.cli", "serve", "--port", str(self.port), *args]
         with self.log.open("wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            )
         self._wait_until_ready(timeout_s=120)
 
     def _wait_until_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                pytest.fail(f"kvlab serve exited with {self.process.returncode}: {self.log.read_text(errors='replace')[-3000:]}")
+                log = self.log.read_text(errors="replace")[-3000:]
+                pytest.fail(f"kvlab serve exited with {self.process.returncode}: {log}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
                     if response.status == 200:
@@ -45,7 +48,8 @@ class ServeProcess:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 time.sleep(0.2)
         self.stop()
-        pytest.fail(f"kvlab serve did not answer /health within {timeout_s:.0f} s: {self.log.read_text(errors='replace')[-3000:]}")
+        log = self.log.read_text(errors="replace")[-3000:]
+        pytest.fail(f"kvlab serve did not answer /health within {timeout_s:.0f} s: {log}")
 
     def terminate(self) -> None:
         """SIGTERM, as a process manager stops a server."""
@@ -61,7 +65,9 @@ class ServeProcess:
         except urllib.error.HTTPError as error:
             return error.code, error.read().decode()
 
-    def post(self, path: str, body: bytes | dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    def post(
+        self, path: str, body: bytes | dict[str, Any], headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, Any]]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         request = urllib.request.Request(
             self.url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})}, method="POST"

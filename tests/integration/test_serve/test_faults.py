@@ -35,7 +35,9 @@ def client_for(server: ServeProcess, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
-def test_binding_beyond_loopback_needs_an_api_key(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_binding_beyond_loopback_needs_an_api_key(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.delenv("KVLAB_API_KEY", raising=False)
     assert main(["serve", "--host", "0.0.0.0"]) == 2
     assert "--api-key" in capsys.readouterr().err
@@ -85,7 +87,9 @@ def test_requests_beyond_the_running_batch_and_the_queue_get_429(guarded: ServeP
         ({"max_tokens": 2}, "prompt: Field required"),
     ],
 )
-def test_malformed_requests_get_400_with_an_openai_error_object(guarded: ServeProcess, body: object, message: str) -> None:
+def test_malformed_requests_get_400_with_an_openai_error_object(
+    guarded: ServeProcess, body: object, message: str
+) -> None:
     status, reply = guarded.post("/v1/completions", body, {"Authorization": f"Bearer {KEY}"})  # type: ignore[arg-type]
     assert status == 400, reply
     assert reply["error"]["type"] == "invalid_request_error"
@@ -107,7 +111,8 @@ def test_a_store_that_goes_down_mid_request_costs_reuse_not_completion(tmp_path:
             return client.completions.create(model="smollm2", prompt=prompt, max_tokens=8, temperature=0.0)
 
         first = ask(PASSAGE)
-        assert first.usage and first.usage.prompt_tokens_details and first.usage.prompt_tokens_details.cached_tokens == 0
+        details = first.usage.prompt_tokens_details if first.usage else None
+        assert details and details.cached_tokens == 0
         deadline = time.monotonic() + 30  # chunks are written in the background
         while True:
             again = ask(PASSAGE)

@@ -40,7 +40,8 @@ def test_the_playground_streams_a_lossless_answer_and_shows_its_stats(
             expect(page.locator("#status")).to_have_text("done", timeout=120_000)
             page.screenshot(path=str(tmp_path / "playground.png"))
             text = page.locator("#output").inner_text()
-            stats = {name: page.locator(f"#stat-{name}").inner_text() for name in ("tps", "ttft", "tokens", "acceptance", "cached")}
+            names = ("tps", "ttft", "tokens", "acceptance", "cached")
+            stats = {name: page.locator(f"#stat-{name}").inner_text() for name in names}
         finally:
             browser.close()
     assert text.strip(), "no text streamed into the page"
