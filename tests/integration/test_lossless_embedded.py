@@ -83,7 +83,7 @@ def test_cli_lossless_json_reports_acceptance(embedded_model: LoadedModel, capsy
 
 
 def test_the_fast_verify_path_matches_the_masked_reference_on_a_real_document(embedded_model: LoadedModel) -> None:
-    from tests.unit.cache.test_attention_paths import verify_logits_both_ways
+    from tests.unit.test_attention import verify_logits_both_ways
 
     document = document_token_ids(embedded_model.tokenizer, 1200)
     fast, reference = verify_logits_both_ways(embedded_model, document[:1183], document[1183:1200])

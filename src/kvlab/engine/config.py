@@ -16,11 +16,15 @@ class EngineConfig:
             every admitted prompt before decoding (offline batches).
         fetch_workers: Fetch each request's prefix on this many background threads before admitting
             it (0: the prefill fetches inline).
+        aggregate_stats: Add every request's rounds and prefix fetches up in `Engine.lossless_stats`
+            and `Engine.stats` (an offline batch); False for a long-lived engine (a server), which
+            reads each request's own figures instead and must not grow with every request served.
     """
 
     max_num_seqs: int | None = None
     interleave_prefill: bool = False
     fetch_workers: int = 0
+    aggregate_stats: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

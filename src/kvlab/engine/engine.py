@@ -85,6 +85,8 @@ class Engine:
         lossless = request.lossless
         if lossless is not None and lossless.prefix_draft is not None and self.prefixes is None:
             raise ConfigError("drafting from a low-bit prefix (prefix_draft) needs a prefix store")
+        if lossless is not None and prefilled is not None and prefilled.draft is None:
+            raise ConfigError("a lossless request needs its prompt's draft cache prefilled too (PrefilledPrompt.draft)")
         # Everything that may raise comes before any state changes.
         generator = sampling_generator(request.config, self.loaded.device)
         if lossless is not None:
@@ -146,9 +148,9 @@ class Engine:
 
     def release(self, request_id: int) -> None:
         """Forget a stopped request (after its output was read)."""
-        sequence = self._sequences.pop(request_id)
-        if sequence.status is not Status.FINISHED:
+        if self._sequences[request_id].status is not Status.FINISHED:
             raise ValueError(f"request {request_id} has not stopped: cancel it first")
+        del self._sequences[request_id]
 
     def num_unfinished(self) -> int:
         return len(self.scheduler)
@@ -218,7 +220,7 @@ class Engine:
         reuse = None
         if self.prefixes is not None:
             resolutions = EXACT if lossless is not None else None
-            reuse = PrefixReuse(self.prefixes.get(request.cache_salt), resolutions, fetched, self.stats)
+            reuse = PrefixReuse(self.prefixes.get(request.cache_salt), resolutions, fetched, self._records())
         return PromptPrefill(self.loaded, request.prompt, caches, reuse, request.config.prefill_chunk_tokens)
 
     def _start_decoding(self, sequence: Sequence, prefilled: PrefilledPrompt, finished: list[Sequence]) -> None:
@@ -232,11 +234,10 @@ class Engine:
             self.stats.tier = request.config.tier.name
         self._admitted(sequence)
         if request.lossless is not None:
-            if prefilled.draft is None:
-                raise ConfigError("a lossless request needs its prompt's draft cache prefilled too")
+            assert prefilled.draft is not None  # add_request refuses a lossless prompt prefilled without one
             sequence.lossless = LosslessState(
                 cache, prefilled.draft, request.lossless, request.lossless.controller(self.costs),
-                pending=[first_token], draft_missing=1, totals=self.lossless_stats,
+                pending=[first_token], draft_missing=1, totals=self._totals(),
             )
         else:
             sequence.cache = cache
@@ -263,7 +264,8 @@ class Engine:
             return False
         loader = self._loader(request.config.tier)
         target = PrefixTarget(
-            self.loaded, self.prefixes.get(request.cache_salt), loader, self.stats, self.lossless_stats
+            self.loaded, self.prefixes.get(request.cache_salt), loader, self._records() or GenerationStats(),
+            self._totals(),
         )
         started = start_remote(
             target, self._drafter(settings.draft_weights), request.prompt, settings, request.capacity
@@ -273,7 +275,7 @@ class Engine:
         self.stats.tier = request.config.tier.name
         self._admitted(sequence)
         sequence.lossless = LosslessState(started.exact, started.draft, settings, settings.controller(self.costs),
-                                          pending=[], draft_missing=0, totals=self.lossless_stats,
+                                          pending=[], draft_missing=0, totals=self._totals(),
                                           draft_logits=started.draft_logits)
         sequence.start(lossless_rounds(sequence, sequence.lossless))
         self._record_caches(self.scheduler.running)
@@ -361,6 +363,16 @@ class Engine:
         sequence.error = error
         sequence.stop_reason = sequence.stop_reason or "cancelled"
         self._finish(sequence, finished)
+
+    def _records(self) -> GenerationStats | None:
+        """Where per-request records (prefix fetches) go: the engine's figures, or nowhere in a
+        long-lived engine, whose figures would otherwise grow with every request it serves."""
+        return self.stats if self.config.aggregate_stats else None
+
+    def _totals(self) -> LosslessStats:
+        """Where a sequence's rounds add up: the engine's figures, or a record that goes with the
+        sequence in a long-lived engine (its per-round lists would grow without bound)."""
+        return self.lossless_stats if self.config.aggregate_stats else LosslessStats()
 
     def _loader(self, spec: TierSpec) -> TierLoader:
         if spec not in self._loaders:

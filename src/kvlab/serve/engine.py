@@ -82,7 +82,7 @@ class ServeEngine:
             on_tokens=self._on_tokens, on_prefill_started=self._on_prefill_started,
             on_prefill_piece=self._on_prefill_piece, on_fetched=self._wake,
         )
-        engine_config = EngineConfig(config.max_num_seqs, interleave_prefill=True,
+        engine_config = EngineConfig(config.max_num_seqs, interleave_prefill=True, aggregate_stats=False,
                                      fetch_workers=config.fetch_workers if self.prefixes is not None else 0)
         self.engine = Engine(loaded, engine_config, self.prefixes, callbacks)
         self._thread = threading.Thread(target=self._loop, name="kvlab-serve-engine", daemon=True)

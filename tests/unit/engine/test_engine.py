@@ -335,3 +335,16 @@ def test_a_lossless_request_fetched_in_the_background_restores_exact_chunks_only
     assert asked and all(resolutions is not None and "int8" not in resolutions for resolutions in asked), asked
     assert engine.reused_tokens(request_id) == 4 * CHUNK
     assert engine.output(request_id).token_ids == reference(model, prompt, config)
+
+
+def test_a_long_lived_engine_keeps_per_request_figures_and_grows_no_totals(model: LoadedModel) -> None:
+    prompt = [(5 * i + 7) % 90 + 3 for i in range(80)]
+    prefix = stored_prefix(model, [prompt])
+    engine = Engine(model, EngineConfig(aggregate_stats=False), SinglePrefixSource(prefix))
+    config = GenerationConfig(max_new_tokens=10, ignore_eos=True, prefill_chunk_tokens=CHUNK)
+    ids = run(engine, [Request(prompt, config, lossless=lossless()) for _ in range(3)])
+    for request_id in ids:
+        rounds = engine.round_stats(request_id)
+        assert rounds is not None and rounds.rounds > 0 and engine.reused_tokens(request_id) == 4 * CHUNK
+    assert engine.lossless_stats.num_draft_tokens_per_round == [] and engine.lossless_stats.rounds == 0
+    assert engine.stats.prefix_fetches == [], "a server's engine must not keep a record per request"

@@ -30,7 +30,7 @@ PACKAGE = Path(kvlab.__file__).parent
 DEVICE_CODE = ("compress", "cache")
 
 HOST_STORAGE: dict[str, str] = {
-    "cache/tiers.py": "the disk tier writes host bytes; it moves KV to the CPU explicitly before reading it",
+    "cache/tier_storage.py": "the disk tier writes host bytes; it moves KV to the CPU explicitly before reading it",
 }
 """Modules whose purpose is host storage, with why their `.numpy()` calls are not hidden round trips."""
 

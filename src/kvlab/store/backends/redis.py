@@ -151,13 +151,10 @@ class RedisStore(KVStore):
             pipeline.execute()
 
     def get_many(self, keys: list[str], max_bytes: int | None = None) -> list[bytes | None]:
-        names = [_name(key) for key in keys]
-        if max_bytes is not None:
-            return [self.get(key, max_bytes) for key in keys]
-        if not names:
-            return []
+        if max_bytes is not None or not keys:  # a bounded read sizes each value first, key by key
+            return super().get_many(keys, max_bytes)
         with self._errors():
-            return cast("list[bytes | None]", self._client.mget(names))
+            return cast("list[bytes | None]", self._client.mget([_name(key) for key in keys]))
 
     def keys(self, prefix: str = "") -> list[str]:
         pattern = NAMESPACE + check_prefix(prefix) + "*"

@@ -116,13 +116,10 @@ class RedisClusterStore(KVStore):
             client.mset_nonatomic(named)
 
     def get_many(self, keys: list[str], max_bytes: int | None = None) -> list[bytes | None]:
-        names = [_name(key) for key in keys]
-        if max_bytes is not None:
-            return [self.get(key, max_bytes) for key in keys]
-        if not names:
-            return []
+        if max_bytes is not None or not keys:  # a bounded read sizes each value first, key by key
+            return super().get_many(keys, max_bytes)
         with self._errors() as client:
-            return cast("list[bytes | None]", client.mget_nonatomic(names))
+            return cast("list[bytes | None]", client.mget_nonatomic([_name(key) for key in keys]))
 
     def keys(self, prefix: str = "") -> list[str]:
         pattern = NAMESPACE + check_prefix(prefix) + "*"
