@@ -149,8 +149,11 @@ def test_a_disk_tier_that_cannot_be_reserved_fails_before_decoding(monkeypatch: 
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full_disk)
-    with pytest.raises(TierError, match="No space left on device"):
+    with pytest.raises(TierError, match="No space left on device") as raised:
         move_to_tier(cache, TierLoader(TierSpec.parse("disk")), 40)
+    # 2 heads x (keys, values) x one 4096-byte aligned region of 40 tokens: 16 KiB, not "0.00 GiB".
+    assert "cannot reserve 16.00 KiB" in str(raised.value) and "free there" in str(raised.value), raised.value
+    assert "0.00 GiB" not in str(raised.value)
 
 
 def test_loads_requested_ahead_are_used_once() -> None:
