@@ -1,5 +1,5 @@
 """The disk full-KV tier under a co-writer: a tier file changed while a decode runs is a TierError, never
-different tokens; a tier that cannot be reserved says how much it needed and how much was free."""
+different tokens (the reservation error's amounts are tested in tests/unit/cache/test_tiers.py)."""
 
 from __future__ import annotations
 
