@@ -10,6 +10,7 @@ PAGE = """<!doctype html>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>kvlab serve</title>
+<link rel="icon" href="data:,">
 <style>
   body { font: 15px/1.45 system-ui, sans-serif; margin: 0; background: #f6f7f9; color: #1d2330; }
   main { max-width: 860px; margin: 0 auto; padding: 24px; }
@@ -31,8 +32,12 @@ PAGE = """<!doctype html>
   .stat span { font-size: 12px; color: #5b6475; }
   #status { margin-top: 8px; color: #5b6475; min-height: 1.4em; }
   #status.error { color: #b42318; }
-  .lossless-only { display: none; }
-  body.drafting .lossless-only { display: flex; }
+  .note { background: #fff7e0; border: 1px solid #e8c770; border-radius: 6px; padding: 8px 10px; font-size: 13px;
+          margin: 0 0 12px; }
+  .drafting-only, .lossless-only, .lossy-only { display: none; }
+  body[data-mode=lossy] .drafting-only, body[data-mode=lossless] .drafting-only,
+  body[data-mode=lossless] .lossless-only { display: flex; }
+  body[data-mode=lossy] #mode-note.lossy-only, #output-box[data-mode=lossy] #output-note { display: block; }
 </style>
 </head>
 <body>
@@ -47,14 +52,22 @@ PAGE = """<!doctype html>
       <option value="lossy">lossy (compressed cache)</option>
       <option value="lossless">lossless (draft + verify)</option>
     </select></label>
-    <label class="lossless-only">Drafter <input id="drafter" value="snapkv" size="10"></label>
+    <label class="drafting-only">Drafter <input id="drafter" value="snapkv" size="10"></label>
     <label class="lossless-only">Draft length <input id="draft-length" value="auto" size="5"></label>
     <label>Max tokens <input id="max-tokens" type="number" min="1" value="128"></label>
     <label>Temperature <input id="temperature" type="number" min="0" max="2" step="0.1" value="0"></label>
     <label>API key <input id="api-key" type="password" size="12" placeholder="(if required)"></label>
     <button id="send">Send</button>
   </div>
-  <div id="output" aria-live="polite"></div>
+  <div id="mode-note" class="note lossy-only">Lossy mode decodes from the drafter's compressed KV cache: the
+    compressor drops or quantizes KV entries, so the output is expected to differ from full-KV (plain) output
+    and can degrade at small budgets. Lossless mode drafts from the same compressed cache and verifies with the
+    full cache, so its output is the plain output (token for token at temperature 0).</div>
+  <div id="output-box">
+    <div id="output-note" class="note lossy-only">Lossy output: read from a compressed KV cache, expected to
+      differ from plain output. Lossless mode gives the plain output.</div>
+    <div id="output" aria-live="polite"></div>
+  </div>
   <div class="stats">
     <div class="stat"><b id="stat-tps">&ndash;</b><span>tokens/s</span></div>
     <div class="stat"><b id="stat-ttft">&ndash;</b><span>time to first token</span></div>
@@ -68,7 +81,12 @@ PAGE = """<!doctype html>
 const $ = (id) => document.getElementById(id);
 const modeSelect = $("mode");
 modeSelect.value = "{{MODE}}";
-const syncMode = () => document.body.classList.toggle("drafting", modeSelect.value !== "plain");
+// The output note follows the mode of the text shown; before the first answer, the mode selected.
+let outputMode = null;
+function syncMode() {
+  document.body.dataset.mode = modeSelect.value;
+  $("output-box").dataset.mode = outputMode || modeSelect.value;
+}
 modeSelect.addEventListener("change", syncMode);
 syncMode();
 
@@ -86,6 +104,8 @@ async function send() {
   }
   setStatus("waiting for the first token...");
   const kvlab = { mode: modeSelect.value };
+  outputMode = kvlab.mode;
+  syncMode();
   if (kvlab.mode !== "plain") {
     kvlab.drafter = $("drafter").value.trim() || "snapkv";
     const length = $("draft-length").value.trim();
