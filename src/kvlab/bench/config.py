@@ -24,7 +24,8 @@ class BenchConfig:
         out: Result folder; finished cells found there are skipped.
         models: Models to benchmark (embedded alias, GGUF file, model dir or cached hub id).
         warmup: Run each method once on a short prompt before measuring it.
-        dtype, device, repeats, threads: see each field's help (`kvlab bench` shows the same text).
+        dtype, device, repeats, threads, likelihood: see each field's help (`kvlab bench` shows the
+            same text).
         ratios: Run every lossy eviction/merging row at each of these `compression_ratio`s (fractions
             of prompt tokens removed) instead of its own; empty keeps the rows as given.
         preset: Name of the preset the matrix came from ("custom" when built by hand); shown in reports.
@@ -46,6 +47,13 @@ class BenchConfig:
         metadata={
             "help": "torch CPU threads during the run (default: torch's choice); on a shared machine one thread "
             "gives steadier timings than threads that wait for each other"
+        },
+    )
+    likelihood: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "also score every sample's full-KV output under each method's cache: mean KL(full || compressed) "
+            "per token and perplexities (one more prefill per sample and method, untimed)"
         },
     )
     ratios: tuple[float, ...] = ()

@@ -4,6 +4,8 @@
 - quality per task and KV bytes ratio per task (grouped bars; a missing cell is marked "n/a", never a
   zero-height bar);
 - with a ratio sweep: quality and fidelity against the KV bytes ratio, one line per method;
+- with likelihood figures: rate-distortion, KL(full || compressed) and perplexity against the KV bytes
+  ratio, one line (or marker set) per method;
 - with shared-context tasks: quality and fidelity per turn (the decline from turn 1 to turn N).
 
 Figures are drawn on `matplotlib.figure.Figure` objects (no pyplot, no global backend state).
@@ -11,6 +13,7 @@ Figures are drawn on `matplotlib.figure.Figure` objects (no pyplot, no global ba
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -83,6 +86,13 @@ def render_plots(cells: Sequence[dict[str, Any]], directory: Path, prefix: str, 
                 directory / f"{prefix}curves.png",
             )
         )
+    if any(cell.get("likelihood") and cell["kind"] == "lossy" for cell in cells):
+        paths.append(
+            _rate_distortion(
+                figure_class, cells, f"Rate-distortion: KL and perplexity vs KV bytes ratio{suffix}",
+                directory / f"{prefix}kl_vs_kv_bytes.png",
+            )
+        )  # fmt: skip
     if any(cell.get("per_turn") for cell in cells):
         paths.append(
             _per_turn(
@@ -111,16 +121,25 @@ def curve_points(
     cells: Sequence[dict[str, Any]], value: Callable[[dict[str, Any]], float | None]
 ) -> dict[str, list[tuple[float, float]]]:
     """Per family of lossy rows: (median KV bytes ratio over tasks, mean `value` over tasks), by x."""
+    return {
+        family: [(x, y) for x, y, _ in points] for family, points in labelled_curve_points(cells, value).items()
+    }
+
+
+def labelled_curve_points(
+    cells: Sequence[dict[str, Any]], value: Callable[[dict[str, Any]], float | None]
+) -> dict[str, list[tuple[float, float, str]]]:
+    """`curve_points` with each point's row label: (x, y, label) per family, by x."""
     by_method: dict[str, list[dict[str, Any]]] = {}
     for cell in cells:
         by_method.setdefault(cell["method"], []).append(cell)
-    lines: dict[str, list[tuple[float, float]]] = {}
+    lines: dict[str, list[tuple[float, float, str]]] = {}
     for method, group in by_method.items():
         values = [v for v in map(value, group) if v is not None]
         if group[0]["kind"] != "lossy" or not values:
             continue
         x = statistics.median(c["system"]["kv_bytes_ratio"] for c in group)
-        lines.setdefault(method_family(method), []).append((x, statistics.fmean(values)))
+        lines.setdefault(method_family(method), []).append((x, statistics.fmean(values), method))
     return {family: sorted(points) for family, points in lines.items()}
 
 
@@ -273,6 +292,50 @@ def _curves(figure_class: Any, cells: Sequence[dict[str, Any]], title: str, path
         axes.set_ylim(bottom=0)
         axes.grid(alpha=0.3)
     panels[0].legend(fontsize=7)
+    figure.suptitle(title)
+    figure.savefig(path, dpi=120)
+    return path
+
+
+def _likelihood_value(cell: dict[str, Any], key: str) -> float | None:
+    figures = cell.get("likelihood")
+    return None if not figures else figures[key]
+
+
+def _rate_distortion(figure_class: Any, cells: Sequence[dict[str, Any]], title: str, path: Path) -> Path:
+    """KL and PPL of the lossy rows against their KV bytes ratio, each point named by its row; full KV's
+    PPL as a level (its KL is 0)."""
+    from matplotlib.ticker import LogFormatter
+
+    figure = figure_class(figsize=(12, 5), layout="constrained")
+    panels = figure.subplots(1, 2)
+    full = [c["likelihood"]["ppl"] for c in cells if c["kind"] == "full" and c.get("likelihood")]
+    full_ppl = statistics.fmean(full) if full else None
+    series = (
+        (panels[0], "kl", "KL(full || compressed), nats per token (mean over tasks)", None),
+        (panels[1], "ppl", "perplexity of the full-KV output (mean over tasks)", full_ppl),
+    )
+    for axes, key, ylabel, full_level in series:
+        lines = labelled_curve_points(cells, functools.partial(_likelihood_value, key=key))
+        for index, (family, points) in enumerate(lines.items()):
+            xs, ys = [x for x, _, _ in points], [y for _, y, _ in points]
+            style = CURVE_DASHES[index % len(CURVE_DASHES)]
+            axes.plot(xs, ys, marker=CURVE_MARKERS[index % len(CURVE_MARKERS)], linestyle=style, label=family)
+            for x, y, label in points:
+                axes.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        if full_level is not None:
+            axes.axhline(full_level, color="black", linewidth=1, label="full KV")
+        if all(y > 0 for points in lines.values() for _, y, _ in points):
+            axes.set_yscale("log")  # KL spans decades between a 4-bit quantizer and heavy eviction
+        axes.set_xscale("log", base=2)
+        for axis in (axes.xaxis, axes.yaxis):
+            # Plain numbers, on the minor ticks too when the axis spans under about two decades.
+            axis.set_major_formatter(LogFormatter(base=2 if axis is axes.xaxis else 10, labelOnlyBase=False))
+            axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+        axes.set_xlabel(KV_BYTES_LABEL)
+        axes.set_ylabel(ylabel)
+        axes.grid(alpha=0.3, which="both")
+        axes.legend(fontsize=7)
     figure.suptitle(title)
     figure.savefig(path, dpi=120)
     return path

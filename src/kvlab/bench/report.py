@@ -6,12 +6,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvlab.bench.likelihood import LIKELIHOOD_KEYS
 from kvlab.bench.plots import render_plots
 from kvlab.bench.presets import PRESETS
 from kvlab.bench.results import load_cell_metrics, model_slug, read_json
 from kvlab.errors import ConfigError
 
 REPORT_FILE = "report.md"
+# Marks a lossless row's likelihood figures: they are its drafter's cache's, its output being full KV's.
+DRAFTER_MARK = " †"
 
 
 def render_report(out: str | Path) -> Path:
@@ -29,6 +32,8 @@ def render_report(out: str | Path) -> Path:
         raise ConfigError(f"no finished benchmark cells in {directory} (run `kvlab bench --out {directory}` first)")
     models = _models_in_order(cells, config)
     lines = _header(directory, config, models)
+    if any(cell.get("likelihood") for cell in cells):
+        lines += LIKELIHOOD_NOTE
     if len(models) > 1:
         lines += models_side_by_side(cells, models)
     for model in models:
@@ -102,6 +107,17 @@ def _header(directory: Path, config: dict[str, Any], models: Sequence[str]) -> l
     ]
 
 
+LIKELIHOOD_NOTE = [
+    "Likelihood (`--likelihood`): each sample's full-KV output is teacher-forced through the full cache and",
+    "through the method's compressed cache (the prompt prefilled and compressed as lossy decoding does, the",
+    "output fed as decoding feeds it). KL is the mean per token of KL(full || compressed) of the next-token",
+    "distributions, in nats; PPL the perplexity of that output under the compressed cache, PPL full under the",
+    "full one; each the mean over samples. Lossless rows score their drafter's cache (their output is full",
+    "KV's, KL 0); marked with a dagger.",
+    "",
+]
+
+
 def models_side_by_side(cells: Sequence[dict[str, Any]], models: Sequence[str]) -> list[str]:
     """Per method and model: mean quality and mean matched prefix over tasks, median KV bytes ratio."""
     lines = ["## Models side by side", ""]
@@ -131,6 +147,8 @@ def model_section(model: str, cells: Sequence[dict[str, Any]], plots: Sequence[s
     """The markdown for one model: summary matrix, one table per task, the plots."""
     lines = [f"## {model}", "", "### Quality per task and method", ""]
     lines += summary_table(cells)
+    if any(cell.get("likelihood") for cell in cells):
+        lines += ["", "### Likelihood of the full-KV output under each method's cache", "", *likelihood_table(cells)]
     for task in dict.fromkeys(cell["task"] for cell in cells):
         task_cells = [cell for cell in cells if cell["task"] == task]
         lines += ["", *task_table(task_cells)]
@@ -156,13 +174,34 @@ def summary_table(cells: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def likelihood_table(cells: Sequence[dict[str, Any]]) -> list[str]:
+    """Per method: KL, PPL and PPL full (means over tasks of the cells' means) beside the median KV bytes ratio."""
+    header = ["method", "KL (nats/token)", "PPL", "PPL full", "KV bytes ratio", "tasks"]
+    lines = _row(header) + [_row(["---"] * len(header))[0]]
+    for method in dict.fromkeys(cell["method"] for cell in cells):
+        mine = [cell for cell in cells if cell["method"] == method]
+        scored = [cell["likelihood"] for cell in mine if cell.get("likelihood")]
+        ratios = sorted(cell["system"]["kv_bytes_ratio"] for cell in mine)
+        means = [sum(figures[key] for figures in scored) / len(scored) if scored else None for key in LIKELIHOOD_KEYS]
+        lines += _row([
+            method + (DRAFTER_MARK if scored and scored[0].get("cache") == "drafter" else ""),
+            _number(means[0], 4),
+            _number(means[1]),
+            _number(means[2]),
+            _number(ratios[len(ratios) // 2], 2) + "x",
+            str(len(scored)),
+        ])
+    return lines
+
+
 def task_table(cells: Sequence[dict[str, Any]]) -> list[str]:
     """One task: every method's quality, fidelity and system figures."""
     first = cells[0]
     full = next((cell for cell in cells if cell["kind"] == "full"), None)
     title = f"### {first['task']} — {first['workload']} ({first['primary_metric']}, {first['num_samples']} samples)"
-    header = ["method", "quality", "vs full", "= full", "diverges at", "TTFT s", "decode tok/s", "KV bytes ratio",
-              "peak KV MiB", "other"]  # fmt: skip
+    scored = any(cell.get("likelihood") for cell in cells)
+    header = ["method", "quality", "vs full", "= full", "diverges at", *(["KL", "PPL", "PPL full"] if scored else []),
+              "TTFT s", "decode tok/s", "KV bytes ratio", "peak KV MiB", "other"]  # fmt: skip
     lines = [title, "", *_row(header), _row(["---"] * len(header))[0]]
     for cell in cells:
         fidelity, system = cell["fidelity"], cell["system"]
@@ -175,6 +214,7 @@ def task_table(cells: Sequence[dict[str, Any]]) -> list[str]:
             delta or "",
             _number(fidelity["output_exact_match"]),
             "" if fidelity["first_divergence_median"] is None else f"{fidelity['first_divergence_median']:g}",
+            *(_likelihood_figures(cell.get("likelihood")) if scored else []),
             _number(system["ttft_s"], 2),
             _number(system["decode_tokens_per_s"], 1),
             _number(system["kv_bytes_ratio"], 2) + "x",
@@ -204,6 +244,14 @@ def turn_table(cells: Sequence[dict[str, Any]]) -> list[str]:
         fidelities = [_number((per_turn.get(str(t)) or {}).get("matched_prefix"), 2) for t in turns]
         lines += _row([cell["method"], *qualities, *fidelities])
     return lines
+
+
+def _likelihood_figures(figures: dict[str, Any] | None) -> list[str]:
+    """A cell's KL, PPL and PPL full as table entries ("n/a" when not measured; a drafter's KL marked)."""
+    if not figures:
+        return ["n/a"] * len(LIKELIHOOD_KEYS)
+    mark = DRAFTER_MARK if figures.get("cache") == "drafter" else ""
+    return [_number(figures["kl"], 4) + mark, _number(figures["ppl"]), _number(figures["ppl_full"])]
 
 
 def _other_figures(cell: dict[str, Any]) -> str:

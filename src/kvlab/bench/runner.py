@@ -23,6 +23,7 @@ from kvlab.bench.multiturn import compressor_for_turn
 from kvlab.bench.summary import median_stats, summarize_cell
 from kvlab.bench.system import RunRevision, code_revision, environment_record, git_revision, track_peak_memory
 from kvlab.bench.tasks import Sample, Task, TaskData, tasks
+from kvlab.bench.teacher import TeacherForcing, measure_likelihood
 from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig
@@ -192,6 +193,9 @@ def run_cell(model_run: ModelRun, item: PreparedTask, method: BenchMethod) -> di
     done = {record["id"] for record in records}
     generation = GenerationConfig(max_new_tokens=item.task.generation_length, stop_strings=item.task.stop_strings)
     selections: dict[str, dict[int, torch.Tensor]] = {}  # per document: the kept positions per layer at turn 1
+    # What likelihood scores: full KV's output of each sample (full KV runs first; its own cell scores its own).
+    full_records = [] if method.label == FULL_LABEL else _full_records(model_run.out, model_run.model, item.name)
+    full_outputs = {record["id"]: record["token_ids"] for record in full_records}
     with _shared_context_store(model_run.loaded, item.task) as prefix:
         for sample, prompt in zip(item.data.samples, item.prompts, strict=True):
             if sample.id in done:
@@ -202,12 +206,16 @@ def run_cell(model_run: ModelRun, item: PreparedTask, method: BenchMethod) -> di
             run = _sample_run(item, method, sample, prompt, prefix, selections)
             repeats = model_run.config.repeats
             record = measure_sample(model_run.loaded, run, item.task, sample, prompt, generation, repeats)
+            if model_run.config.likelihood:
+                continuation = record["token_ids"] if method.label == FULL_LABEL else full_outputs.get(sample.id)
+                record["likelihood"] = sample_likelihood(model_run.loaded, run, prompt, continuation)
             if prefix is not None:
                 prefix.flush()  # the next turn reuses what this one saved
             results.append_prediction(predictions, record)
             records.append(record)
             model_run.callbacks.on_sample()
-    full_records = records if method.label == FULL_LABEL else _full_records(model_run.out, model_run.model, item.name)
+    if method.label == FULL_LABEL:
+        full_records = records
     header = {
         "model": model_run.model,
         "task": item.name,
@@ -306,6 +314,23 @@ def measure_sample(
     }
 
 
+def sample_likelihood(
+    loaded: LoadedModel, run: SampleRun, prompt: list[int], continuation: list[int] | None
+) -> dict[str, Any] | None:
+    """KL and perplexities of the full-KV `continuation` under the cache the sample's method compresses.
+
+    Lossy rows score the cache they decode from, lossless rows their drafter's (their output is full
+    KV's); full KV scores itself (KL 0). None without a continuation to score.
+    """
+    if not continuation:
+        return None
+    # A turn that reuses a prefix store prefills in the store's chunks: teacher forcing cuts the same.
+    chunk_tokens = SHARED_CONTEXT_CHUNK_TOKENS if run.prefix is not None else None
+    compressor = None if run.method.kind == "full" else run.compressor
+    figures = measure_likelihood(loaded, TeacherForcing(prompt, continuation, compressor, chunk_tokens))
+    return {**figures.to_dict(), "cache": "drafter" if run.method.kind == "lossless" else "decoding"}
+
+
 def _lossless_summary(lossless_stats: list[Any]) -> dict[str, Any] | None:
     """Acceptance of a lossless method's drafts (first run), or None for other methods."""
     first = lossless_stats[0]
@@ -328,6 +353,7 @@ def cell_fingerprint(model: str, task: Task, method: BenchMethod, config: BenchC
         "task": task.to_dict(),
         "method": method.to_dict(),
         "repeats": config.repeats,
+        "likelihood": config.likelihood,
     }
 
 

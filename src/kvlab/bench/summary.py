@@ -9,6 +9,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from kvlab.bench.likelihood import likelihood_means
 from kvlab.bench.metrics import first_divergence, matched_prefix_fraction, output_exact_match
 
 # Per-sample timing and size fields of `GenerationStats` the summary reports as medians.
@@ -99,7 +100,8 @@ def summarize_cell(
     primary_metric: str,
     header: dict[str, Any],
 ) -> dict[str, Any]:
-    """The cell's `metrics.json`: `header` (task, method, ...) plus quality, fidelity and system figures."""
+    """The cell's `metrics.json`: `header` (task, method, ...) plus quality, fidelity, likelihood (None when
+    not measured) and system figures."""
     quality = quality_means(records)
     return {
         **header,
@@ -108,6 +110,7 @@ def summarize_cell(
         "primary": quality.get(primary_metric),
         "quality": quality,
         "fidelity": fidelity(records, full_records),
+        "likelihood": likelihood_means(records),
         "system": system_summary(records),
         "per_turn": per_turn(records, full_records, primary_metric),
     }

@@ -22,7 +22,7 @@ from kvlab.errors import ConfigError
 from kvlab.registry import parse_value
 from kvlab.timing import Stopwatch
 
-RUN_FIELDS = ("dtype", "device", "repeats", "threads")
+RUN_FIELDS = ("dtype", "device", "repeats", "threads", "likelihood")
 
 
 class BenchCommand(Command):
@@ -105,6 +105,7 @@ def settings_summary(config: BenchConfig, defaulted: bool) -> str:
         f"models: {', '.join(config.models)}; samples per task: {config.samples}",
         f"tasks (context tokens, new tokens): {tasks_text}",
         f"methods: {', '.join(method.label for method in config.methods)}",
+        *(["likelihood: KL(full || compressed) and perplexities of the full-KV output"] if config.likelihood else []),
     ])
 
 
