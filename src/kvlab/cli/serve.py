@@ -20,7 +20,7 @@ API_KEY_ENV = "KVLAB_API_KEY"
 # command line shows in `ps`, so it comes from --api-key-file or KVLAB_API_KEY).
 GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("model", "dtype", "device"),
-    "network and access": ("host", "port", "allowed_hosts", "allowed_origins"),
+    "network and access": ("host", "port", "allowed_hosts", "allowed_origins", "metrics_prefix"),
     "limits": ("max_num_seqs", "max_queued_requests", "max_prompt_tokens", "max_tokens_limit", "max_tokens_in_system",
                "prefill_chunk_tokens", "shutdown_timeout_s"),
     "default decoding (a request overrides it in its \"kvlab\" field)": (

@@ -22,6 +22,7 @@ from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.sequence import Sequence, Status
 from kvlab.errors import ConfigError
 from kvlab.generation.feed import Rounds, plain_rounds
+from kvlab.generation.logprobs import TokenLogprobs
 from kvlab.generation.outputs import GenerationStats, RequestOutput, finish_timing
 from kvlab.generation.prefill import PrefillCaches, PrefixReuse, PromptPrefill, check_prompts
 from kvlab.generation.sampling import sampling_generator, select_next_tokens
@@ -91,11 +92,12 @@ class Engine:
         generator = sampling_generator(request.config, self.loaded.device)
         if lossless is not None:
             self._drafter(lossless.draft_weights)
-        checker = StopChecker(self.loaded.eos_token_ids, request.config.stop_strings, request.config.max_new_tokens,
-                              self.loaded.decode, request.config.ignore_eos)
+        checker = StopChecker(request.config, self.loaded.eos_token_ids, self.loaded.decode)
         sequence = Sequence(self._next_id, request, generator, checker, self._on_emit, prefilled=prefilled)
+        if request.config.logprobs is not None:
+            sequence.logprobs = TokenLogprobs()
         self._next_id += 1
-        if self._fetcher is not None and prefilled is None:
+        if self._fetcher is not None and prefilled is None and request.reuses_prefixes:
             # A lossless verifier's cache is only ever restored from bit-exact chunks.
             resolutions = EXACT if lossless is not None else None
             sequence.fetch = self._fetcher.submit(
@@ -127,8 +129,9 @@ class Engine:
     def output(self, request_id: int) -> RequestOutput:
         """What the request produced so far (its text cut before a stop string)."""
         sequence = self._sequences[request_id]
-        text = sequence.checker.final_text(self.loaded.decode(sequence.token_ids))
-        return RequestOutput(sequence.request.prompt, list(sequence.token_ids), text, sequence.stop_reason or "length")
+        text = sequence.checker.final_text(self.loaded.decode(sequence.token_ids, sequence.config.skip_special_tokens))
+        return RequestOutput(sequence.request.prompt, list(sequence.token_ids), text, sequence.stop_reason or "length",
+                             sequence.logprobs, sequence.prompt_logprobs)
 
     def error(self, request_id: int) -> BaseException | None:
         """What failed the request, or None."""
@@ -206,6 +209,7 @@ class Engine:
                 if self.config.interleave_prefill and not job.done:
                     return
             assert job.logits is not None
+            sequence.prompt_logprobs = job.prompt_logprobs
             self._start_decoding(
                 sequence, PrefilledPrompt(job.cache, job.draft, job.logits, job.reused_tokens), finished
             )
@@ -218,16 +222,18 @@ class Engine:
         sequence.fetch = None
         caches = PrefillCaches(request.capacity, request.compressor, None if lossless is None else lossless.drafter)
         reuse = None
-        if self.prefixes is not None:
+        if self.prefixes is not None and request.reuses_prefixes:
             resolutions = EXACT if lossless is not None else None
             reuse = PrefixReuse(self.prefixes.get(request.cache_salt), resolutions, fetched, self._records())
-        return PromptPrefill(self.loaded, request.prompt, caches, reuse, request.config.prefill_chunk_tokens)
+        return PromptPrefill(self.loaded, request.prompt, caches, reuse, request.config.prefill_chunk_tokens,
+                             request.config.prompt_logprobs)
 
     def _start_decoding(self, sequence: Sequence, prefilled: PrefilledPrompt, finished: list[Sequence]) -> None:
         """The prefilled sequence's first token, then its rounds."""
         request = sequence.request
         sequence.prefilled, sequence.reused_tokens = None, prefilled.reused_tokens
-        first_token = int(select_next_tokens(prefilled.logits, request.config, sequence.generator)[0])
+        first_logits = sequence.choosing_logits(prefilled.logits)
+        first_token = int(select_next_tokens(first_logits, request.config, sequence.generator)[0])
         cache: KVCache = prefilled.cache
         if not cache.compressed:  # a compressed cache is the small one that stays in fast memory
             cache = move_to_tier(cache, self._loader(request.config.tier), request.capacity)
@@ -260,7 +266,7 @@ class Engine:
         """A lossless request with `prefix_draft` drafts from its low-bit prefix while the exact one
         arrives (`kvlab.lossless.remote_prefix`); False when no low-bit chunk is stored."""
         request, settings = sequence.request, sequence.request.lossless
-        if settings is None or settings.prefix_draft is None or self.prefixes is None:
+        if settings is None or settings.prefix_draft is None or self.prefixes is None or not request.reuses_prefixes:
             return False
         loader = self._loader(request.config.tier)
         target = PrefixTarget(

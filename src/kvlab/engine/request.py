@@ -61,6 +61,12 @@ class Request:
         return None if compressor is None else str(type(compressor).registry_name)  # type: ignore[attr-defined]
 
     @property
+    def reuses_prefixes(self) -> bool:
+        """Its prefill may restore the prompt from a prefix store: not when it asks for the prompt's
+        log-probabilities, which need every position computed."""
+        return self.config.prompt_logprobs is None
+
+    @property
     def capacity(self) -> int:
         """Tokens the request's caches must hold: prompt, new tokens and, lossless, one round's drafts."""
         drafts = 0 if self.lossless is None else self.lossless.max_num_draft_tokens + 2

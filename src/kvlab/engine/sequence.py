@@ -13,7 +13,9 @@ from kvlab.cache import KVCache
 from kvlab.engine.request import PrefilledPrompt, Request
 from kvlab.generation.config import GenerationConfig
 from kvlab.generation.feed import Feed, Rounds
+from kvlab.generation.logprobs import TokenLogprobs, score_tokens
 from kvlab.generation.prefill import PromptPrefill
+from kvlab.generation.sampling import suppress_stop_tokens
 from kvlab.generation.stopping import StopChecker, StopReason
 from kvlab.lossless.round import LosslessState
 from kvlab.lossless.stats import LosslessStats
@@ -53,6 +55,10 @@ class Sequence:
         reused_tokens: Prompt tokens restored from a prefix store instead of computed.
         round_stats: Its lossless rounds, kept after its caches are freed (None: not lossless).
         primed: Its rounds have run up to their first feed.
+        logprobs: Scores of its generated tokens (when its config asks for them).
+        prompt_logprobs: Scores of its prompt tokens after the first (when its config asks for them).
+        scored_logits: [n, V] raw logits of the last full-model forward it was fed, whose rows chose the
+            next tokens it emits (what their scores come from).
     """
 
     id: int
@@ -74,6 +80,9 @@ class Sequence:
     reused_tokens: int = 0
     round_stats: LosslessStats | None = None
     primed: bool = False
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
+    scored_logits: torch.Tensor | None = None
 
     @property
     def config(self) -> GenerationConfig:
@@ -101,12 +110,24 @@ class Sequence:
             if self.stop_reason is not None:
                 kept = count
                 break
+        if self.logprobs is not None and self.scored_logits is not None and kept:
+            num_top = self.config.logprobs or 0
+            self.logprobs.extend(score_tokens(self.scored_logits[:kept], token_ids[:kept], num_top))
         self.on_emit(self, token_ids[:kept])
         return self.stop_reason is None
 
+    def choosing_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The [n, V] logits of a full-model forward whose row t chooses its next token number t, as
+        its rounds must see them: kept for the tokens' scores, end tokens suppressed before `min_tokens`."""
+        if self.logprobs is not None:
+            self.scored_logits = logits
+        return suppress_stop_tokens(logits, len(self.token_ids), self.config, self.checker.ending_token_ids)
+
     def advance(self, logits: torch.Tensor) -> None:
         """Hand the logits of its feed to its rounds and take their next feed (None once it stopped)."""
-        assert self.rounds is not None
+        assert self.rounds is not None and self.feed is not None
+        if not self.feed.drafting:  # drafts may propose an end token: the verify then refuses it
+            logits = self.choosing_logits(logits)
         try:
             self.feed = self.rounds.send(logits)
         except StopIteration:
@@ -129,4 +150,4 @@ class Sequence:
 
     def release_caches(self) -> None:
         self.prefill, self.prefilled, self.cache, self.lossless = None, None, None, None
-        self.rounds, self.feed, self.fetch = None, None, None
+        self.rounds, self.feed, self.fetch, self.scored_logits = None, None, None, None

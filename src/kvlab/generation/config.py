@@ -40,6 +40,30 @@ class GenerationConfig:
     ignore_eos: bool = dataclasses.field(
         default=False, metadata={"help": "keep generating past end-of-sequence tokens (fixed-length measurements)"}
     )
+    include_stop_str_in_output: bool = dataclasses.field(
+        default=False, metadata={"help": "keep the stop string that ended a row in its text (cut after it)"}
+    )
+    skip_special_tokens: bool = dataclasses.field(
+        default=True, metadata={"help": "leave special tokens (end-of-sequence, chat markers) out of the text"}
+    )
+    min_tokens: int = dataclasses.field(
+        default=0,
+        metadata={"help": "end-of-sequence and stop tokens cannot be chosen before this many tokens are generated"},
+    )
+    stop_token_ids: tuple[int, ...] = dataclasses.field(
+        default=(), metadata={"help": "token ids that end a row as end-of-sequence does (kept in its token ids)"}
+    )
+    logprobs: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "return each generated token's log-probability and this many most likely alternatives"},
+    )
+    prompt_logprobs: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "return each prompt token's log-probability (after the first) and this many most likely "
+            "alternatives; the prompt is then computed, not restored from a prefix store"
+        },
+    )
     prefill_chunk_tokens: int | None = dataclasses.field(
         default=None,
         metadata={
@@ -61,6 +85,13 @@ class GenerationConfig:
             raise ConfigError(f"prefill_chunk_tokens must be at least 1 or None, got {self.prefill_chunk_tokens}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.min_tokens < 0:
+            raise ConfigError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if value is not None and value < 0:
+                raise ConfigError(f"{name} must be >= 0 (alternatives per token) or None, got {value}")
+        if any(token < 0 for token in self.stop_token_ids):
+            raise ConfigError(f"stop_token_ids must be token ids (>= 0), got {list(self.stop_token_ids)}")
         if self.temperature < 0:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:

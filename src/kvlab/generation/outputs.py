@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from kvlab.cache import KVCache
 from kvlab.cache.tiers import TierStats
+from kvlab.generation.logprobs import TokenLogprobs
 from kvlab.generation.stopping import StopReason
 from kvlab.store.prefix import FetchStats
 
@@ -76,12 +77,17 @@ class RequestOutput:
         token_ids: Generated ids, including a final end-of-sequence token when generation hit one.
         text: Decoded `token_ids` without special tokens, cut before a stop string.
         stop_reason: "eos", "stop_string", "length" or "cancelled".
+        logprobs: Scores of `token_ids`, when `GenerationConfig.logprobs` asked for them.
+        prompt_logprobs: Scores of the prompt's tokens after the first, when
+            `GenerationConfig.prompt_logprobs` asked for them.
     """
 
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     stop_reason: StopReason
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -15,6 +15,7 @@ import torch
 from kvlab.cache import ForwardStep, KVCache, PairedPrefillStep, run_step
 from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
+from kvlab.generation.logprobs import TokenLogprobs, score_tokens
 from kvlab.generation.outputs import GenerationStats
 from kvlab.models import LoadedModel
 from kvlab.store.prefix import FetchedPrefix, PrefixSource
@@ -121,6 +122,8 @@ class PromptPrefill:
         draft: [1 row] the drafter's compressed copy, or None.
         logits: [1, V] logits of the prompt's last position, once `done`.
         reused_tokens: Prompt tokens restored from the store instead of computed.
+        prompt_logprobs: With `prompt_logprobs` asked for, the scores of prompt tokens 1.. (each given
+            the tokens before it), filled piece by piece (a piece's [q, V] logits are scored and dropped).
     """
 
     def __init__(
@@ -130,7 +133,10 @@ class PromptPrefill:
         caches: PrefillCaches,
         reuse: PrefixReuse | None = None,
         chunk_tokens: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None:
+        if prompt_logprobs is not None and reuse is not None:
+            raise ConfigError("prompt log-probabilities need every position computed: prefill without a prefix store")
         prefix = None if reuse is None else reuse.source
         if prefix is not None:
             if chunk_tokens not in (None, prefix.chunk_tokens):
@@ -153,6 +159,8 @@ class PromptPrefill:
             self.reused_tokens = _restore_prefix(fetched, [self.cache, self.draft], loaded.device, reuse.stats)
         self.pieces = prefill_pieces(self.reused_tokens, len(prompt), chunk_tokens)
         self.logits: torch.Tensor | None = None
+        self.num_top_logprobs = prompt_logprobs
+        self.prompt_logprobs = None if prompt_logprobs is None else TokenLogprobs()
 
     @property
     def done(self) -> bool:
@@ -177,7 +185,14 @@ class PromptPrefill:
             step = PairedPrefillStep(cache, positions, captured=captured, draft_cache=draft, compress_draft=last)
         input_ids = torch.tensor([self.prompt[begin:end]], device=loaded.device)
         clock = Stopwatch(loaded.device)
-        logits = run_step(loaded.model, step, input_ids, logits_to_keep=1)[:, -1]
+        scoring = self.prompt_logprobs is not None
+        all_logits = run_step(loaded.model, step, input_ids, logits_to_keep=0 if scoring else 1)
+        logits = all_logits[:, -1]
+        if self.prompt_logprobs is not None and self.num_top_logprobs is not None:
+            # Row t of the piece predicts prompt token begin + t + 1; the last row of the prompt predicts
+            # the first generated token, which is not the prompt's.
+            next_ids = self.prompt[begin + 1 : end + 1]
+            self.prompt_logprobs.extend(score_tokens(all_logits[0, : len(next_ids)], next_ids, self.num_top_logprobs))
         if draft is not None:
             draft.advance(end - begin)
         if self.prefix is not None and captured is not None:

@@ -15,7 +15,7 @@ from kvlab.compress import Compressor
 from kvlab.generation.config import GenerationConfig
 from kvlab.generation.outputs import GenerationOutput, GenerationStats, RequestOutput, finish_timing
 from kvlab.generation.prefill import PrefillCaches, PrefixReuse, check_prompts, prefill
-from kvlab.generation.sampling import sampling_generator, select_next_tokens
+from kvlab.generation.sampling import sampling_generator, select_next_tokens, suppress_stop_tokens
 from kvlab.generation.stopping import StopChecker, StopReason
 from kvlab.models import LoadedModel
 from kvlab.store.prefix import PrefixSource
@@ -68,13 +68,13 @@ def reference_decode(
     if not cache.compressed:  # a compressed cache is the small one that stays in fast memory
         cache = move_to_tier(cache, loader, max(cache.seq_lengths) + config.max_new_tokens)
         stats.tier = config.tier.name
-    checker = StopChecker(
-        loaded.eos_token_ids, config.stop_strings, config.max_new_tokens, loaded.decode, config.ignore_eos
-    )
+    checker = StopChecker(config, loaded.eos_token_ids, loaded.decode)
     generated: list[list[int]] = [[] for _ in prompts]
     reasons: list[StopReason | None] = [None] * len(prompts)
     active = list(range(len(prompts)))  # the request of each row still in the batch
     while True:
+        num_generated = len(generated[active[0]])  # every row in the batch has generated as many
+        logits = suppress_stop_tokens(logits, num_generated, config, checker.ending_token_ids)
         next_tokens = select_next_tokens(logits, config, generator)
         for request, token in zip(active, next_tokens.tolist(), strict=True):
             generated[request].append(token)

@@ -61,3 +61,27 @@ def draw_tokens(
 def sampling_generator(config: GenerationConfig, device: torch.device | str) -> torch.Generator | None:
     """The seeded generator sampling draws from (None when greedy: nothing is drawn)."""
     return None if config.greedy else torch.Generator(device).manual_seed(config.seed)
+
+
+def suppress_stop_tokens(
+    logits: torch.Tensor, num_generated: int, config: GenerationConfig, stop_token_ids: tuple[int, ...]
+) -> torch.Tensor:
+    """`logits` with the tokens that would end the sequence made impossible before `config.min_tokens`.
+
+    Args:
+        logits: [T, V] logits; row t chooses generated token number `num_generated + t` (0-based).
+        num_generated: Tokens the sequence generated before row 0's.
+        config: Its `min_tokens`.
+        stop_token_ids: End-of-sequence and stop tokens.
+
+    Returns:
+        `logits` itself when no row is affected, else a copy with those tokens at -inf in the rows
+        that choose a token before `min_tokens`.
+    """
+    num_rows = min(max(config.min_tokens - num_generated, 0), logits.shape[0])
+    if not num_rows or not stop_token_ids:
+        return logits
+    suppressed = logits.clone()
+    ids = torch.tensor(stop_token_ids, dtype=torch.long, device=logits.device)
+    suppressed[:num_rows, ids] = float("-inf")
+    return suppressed

@@ -105,8 +105,8 @@ class LoadedModel:
         ids: Any = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
         return [int(i) for i in ids]
 
-    def decode(self, token_ids: list[int]) -> str:
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
 
 def load_model(name: str | None = None, dtype: str = "float32", device: str = "cpu") -> LoadedModel:

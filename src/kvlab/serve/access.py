@@ -13,7 +13,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvlab.serve.config import AccessPolicy, ServeConfig
-from kvlab.serve.protocol import error_body
+from kvlab.serve.replies import error_body
 
 
 class AccessGuard:

@@ -20,6 +20,7 @@ import contextlib
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -27,33 +28,31 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvlab.engine import Request as EngineRequest
 from kvlab.errors import ConfigError
-from kvlab.generation.text import TextDeltas
 from kvlab.lossless.config import LosslessConfig
 from kvlab.serve.access import AccessGuard
+from kvlab.serve.choices import ChoiceReply, kvlab_figures, total_usage
 from kvlab.serve.config import ServeConfig
 from kvlab.serve.engine import EngineClosedError, ServeEngine, ServerBusyError
 from kvlab.serve.metrics import CONTENT_TYPE
-from kvlab.serve.options import TokenBudget, resolve
+from kvlab.serve.options import ResolvedBody, TokenBudget, detokenize, resolve, tokenize
 from kvlab.serve.page import PAGE
 from kvlab.serve.protocol import (
     MAX_BODY_BYTES,
     BodyError,
     ChatCompletionRequest,
     CompletionRequest,
-    chunk_body,
-    completion_body,
-    error_body,
+    DetokenizeRequest,
+    TokenizeRequest,
     is_json_media_type,
     parse_body,
-    usage,
 )
-from kvlab.serve.request import Event, FailedEvent, FinishedEvent, RequestStats, ServeRequest, TokensEvent
+from kvlab.serve.replies import Reply, TokenStrings, error_body
+from kvlab.serve.request import Event, FailedEvent, FinishedEvent, ServeRequest, TokensEvent
 from kvlab.timing import timestamp_s
 
 logger = logging.getLogger(__name__)
@@ -122,6 +121,8 @@ def create_app(
         entry = {"id": model_name, "object": "model", "created": created, "owned_by": "kvlab"}
         return JSONResponse({"object": "list", "data": [entry]})
 
+    _add_token_routes(app, engine, config, completion.strings)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await completion(request, chat=False)
@@ -131,6 +132,33 @@ def create_app(
         return await completion(request, chat=True)
 
     return app
+
+
+def _add_token_routes(app: FastAPI, engine: ServeEngine, config: ServeConfig, strings: TokenStrings) -> None:
+    """`POST /tokenize` and `/detokenize`, as vLLM's server has them."""
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> JSONResponse:
+        _check_key(config, request)
+        body = await run_in_threadpool(_parse, await _json_body(request), TokenizeRequest)
+        context = engine.loaded.architecture.max_context
+        limit = min(config.max_prompt_tokens or context, context - 1)
+        try:
+            tokens = await run_in_threadpool(tokenize, body, engine.loaded, limit)
+        except ConfigError as error:
+            raise APIError(400, str(error)) from None
+        texts = [strings(token) for token in tokens] if body.return_token_strs else None
+        return JSONResponse({"count": len(tokens), "max_model_len": context, "tokens": tokens, "token_strs": texts})
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> JSONResponse:
+        _check_key(config, request)
+        body = await run_in_threadpool(_parse, await _json_body(request), DetokenizeRequest)
+        try:
+            text = await run_in_threadpool(detokenize, body, engine.loaded)
+        except ConfigError as error:
+            raise APIError(400, str(error)) from None
+        return JSONResponse({"prompt": text})
 
 
 def _check_key(config: ServeConfig, request: Request) -> None:
@@ -144,11 +172,12 @@ def _check_key(config: ServeConfig, request: Request) -> None:
 
 class CompletionRoute:
     """`POST /v1/completions` and `/v1/chat/completions`: check, parse, resolve, hold the request's tokens,
-    submit it, then reply whole or as a stream."""
+    submit one engine request per prompt, then reply whole or as a stream."""
 
     def __init__(self, engine: ServeEngine, config: ServeConfig, default_lossless: LosslessConfig) -> None:
         self.engine, self.config, self.default_lossless = engine, config, default_lossless
         self.budget = TokenBudget(config.max_tokens_in_system, engine.metrics.tokens_in_system)
+        self.strings = TokenStrings(engine.loaded.decode)
 
     async def __call__(self, request: Request, chat: bool) -> Response:
         arrival_s = timestamp_s()  # latencies count tokenization and validation too
@@ -164,21 +193,19 @@ class CompletionRoute:
             self.engine.metrics.failed("tokens_full")
             raise APIError(429, str(error), "rate_limit_error", code="tokens_full") from None
         events, cancel = self._submit(resolved, release, arrival_s)
-        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.engine.loaded.name, chat,
-                      body.include_usage)
-        deltas = TextDeltas(self.engine.loaded.decode, resolved.config.stop_strings)
+        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.engine.loaded.name, chat)
+        choices = [ChoiceReply(index, reply, resolved, self.engine.loaded, self.strings)
+                   for index in range(len(resolved.requests))]
         if body.stream:
+            usage_flags = (body.include_usage, body.continuous_usage)
             return StreamingResponse(
-                _stream(self.engine, cancel, events, reply, deltas), media_type="text/event-stream",
+                _stream(cancel, events, reply, choices, usage_flags), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await _complete(self.engine, cancel, events, reply, request)
+        return await _complete(cancel, events, reply, choices, request)
 
     async def _body(self, request: Request, model: type[CompletionRequest | ChatCompletionRequest]) -> Any:
-        if not is_json_media_type(request.headers.get("content-type")):
-            raise APIError(415, "send the body as JSON, with 'Content-Type: application/json'",
-                           code="unsupported_media_type")
-        raw = await _read_body(request)
+        raw = await _json_body(request)
         body = await run_in_threadpool(_parse, raw, model)
         name = self.engine.loaded.name
         if body.model is not None and body.model != name:
@@ -187,48 +214,57 @@ class CompletionRoute:
         return body
 
     def _submit(
-        self, resolved: EngineRequest, release: Callable[[], None], arrival_s: float
-    ) -> tuple[asyncio.Queue[Event], Callable[[], None]]:
-        """Queue the request; returns its events and what cancels it. Its tokens go back when it ends."""
+        self, resolved: ResolvedBody, release: Callable[[], None], arrival_s: float
+    ) -> tuple[asyncio.Queue[tuple[int, Event]], Callable[[], None]]:
+        """Queue one engine request per prompt; returns their events, tagged with the choice's index, and
+        what cancels them all. The tokens held go back once every one has ended."""
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        num_open = [len(resolved.requests)]
+        lock = threading.Lock()
 
-        def sink(event: Event) -> None:
-            if isinstance(event, (FinishedEvent, FailedEvent)):
-                release()
-            with contextlib.suppress(RuntimeError):  # the event loop is gone (server stopped): nobody listens
-                loop.call_soon_threadsafe(events.put_nowait, event)
+        def ended() -> None:
+            with lock:
+                num_open[0] -= 1
+                if num_open[0] == 0:
+                    release()
 
-        job = ServeRequest(resolved, sink, arrival_s=arrival_s)
+        def sink_for(index: int) -> Callable[[Event], None]:
+            def sink(event: Event) -> None:
+                if isinstance(event, (FinishedEvent, FailedEvent)):
+                    ended()
+                with contextlib.suppress(RuntimeError):  # the event loop is gone (server stopped): nobody listens
+                    loop.call_soon_threadsafe(events.put_nowait, (index, event))
+            return sink
+
+        jobs = [ServeRequest(engine_request, sink_for(index), arrival_s=arrival_s)
+                for index, engine_request in enumerate(resolved.requests)]
 
         def cancel() -> None:  # the engine sends a cancelled request no further events
-            self.engine.cancel(job)
+            for job in jobs:
+                self.engine.cancel(job)
             release()
 
-        try:
-            self.engine.submit(job)
-        except ServerBusyError as error:
-            release()
-            self.engine.metrics.failed("queue_full")
-            raise APIError(429, str(error), "rate_limit_error", code="queue_full") from None
-        except EngineClosedError as error:
-            release()
-            raise APIError(503, str(error), "server_error", code="shutting_down") from None
+        for number, job in enumerate(jobs):
+            try:
+                self.engine.submit(job)
+            except (ServerBusyError, EngineClosedError) as error:
+                for submitted in jobs[:number]:
+                    self.engine.cancel(submitted)
+                release()
+                if isinstance(error, EngineClosedError):
+                    raise APIError(503, str(error), "server_error", code="shutting_down") from None
+                self.engine.metrics.failed("queue_full")
+                raise APIError(429, str(error), "rate_limit_error", code="queue_full") from None
         return events, cancel
 
 
-class Reply:
-    """What every chunk or reply of one request repeats."""
-
-    def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool) -> None:
-        self.id, self.model, self.chat, self.include_usage = request_id, model, chat, include_usage
-        self.created = int(time.time())
-
-    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
-        chunk = chunk_body(self.id, self.model, self.chat, self.created, text, finish_reason, first)
-        if self.include_usage:
-            chunk["usage"] = None
-        return chunk
+async def _json_body(request: Request) -> bytes:
+    """The raw body of a JSON request (415 for another media type)."""
+    if not is_json_media_type(request.headers.get("content-type")):
+        raise APIError(415, "send the body as JSON, with 'Content-Type: application/json'",
+                       code="unsupported_media_type")
+    return await _read_body(request)
 
 
 async def _read_body(request: Request) -> bytes:
@@ -246,7 +282,7 @@ async def _read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-def _parse(raw: bytes, model: type[CompletionRequest | ChatCompletionRequest]) -> Any:
+def _parse(raw: bytes, model: type[BaseModel]) -> Any:
     """The validated body (run off the event loop: a large body takes a while to parse)."""
     try:
         data = parse_body(raw)
@@ -263,14 +299,6 @@ def _parse(raw: bytes, model: type[CompletionRequest | ChatCompletionRequest]) -
         raise APIError(400, f"{where}: {message}") from None
 
 
-def _finish_reason(event: FinishedEvent) -> str:
-    return "length" if event.output.stop_reason == "length" else "stop"
-
-
-def _usage(stats: RequestStats) -> dict[str, Any]:
-    return usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
-
-
 def _failure(event: FailedEvent) -> APIError:
     """A failed request's error: 400 when it asked for what cannot be done, 503 when the shutdown cut it,
     500 when it failed (logged by the engine)."""
@@ -282,65 +310,75 @@ def _failure(event: FailedEvent) -> APIError:
 
 
 async def _complete(
-    engine: ServeEngine, cancel: Callable[[], None], events: asyncio.Queue[Event], reply: Reply, request: Request
+    cancel: Callable[[], None], events: asyncio.Queue[tuple[int, Event]], reply: Reply, choices: list[ChoiceReply],
+    request: Request,
 ) -> Response:
-    """Wait for the whole reply; a client that goes away cancels the request."""
+    """Wait for every choice; a client that goes away cancels the request, a failed choice fails it."""
+    finished: dict[int, FinishedEvent] = {}
     try:
-        while True:
+        while len(finished) < len(choices):
             try:
-                event = await asyncio.wait_for(events.get(), timeout=DISCONNECT_POLL_S)
+                index, event = await asyncio.wait_for(events.get(), timeout=DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     cancel()
                     return Response(status_code=499)
                 continue
             if isinstance(event, FailedEvent):
+                cancel()
                 raise _failure(event)
             if isinstance(event, FinishedEvent):
-                body = completion_body(reply.id, reply.model, reply.chat, event.output.text, _finish_reason(event))
-                body["usage"] = _usage(event.stats)
-                body["kvlab"] = event.stats.to_dict()
-                return JSONResponse(body)
+                finished[index] = event
     except asyncio.CancelledError:
         cancel()
         raise
+    ordered = [finished[index] for index in range(len(choices))]
+    generate = choices[0].generate
+    body = reply.body([choice.whole(event) for choice, event in zip(choices, ordered, strict=True)],
+                      total_usage(ordered, generate))
+    body["kvlab"] = kvlab_figures([event.stats for event in ordered])
+    return JSONResponse(body)
 
 
 async def _stream(
-    engine: ServeEngine, cancel: Callable[[], None], events: asyncio.Queue[Event], reply: Reply, deltas: TextDeltas
+    cancel: Callable[[], None], events: asyncio.Queue[tuple[int, Event]], reply: Reply, choices: list[ChoiceReply],
+    usage_flags: tuple[bool, bool],
 ) -> AsyncIterator[str]:
-    """Server-sent events; the generator is closed when the client disconnects, which cancels the request."""
-    finished, num_tokens = False, 0
+    """Server-sent events, one choice per chunk; the generator is closed when the client disconnects,
+    which cancels the request. `usage_flags`: (a usage chunk at the end, usage in every chunk)."""
+    include_usage, continuous_usage = usage_flags
+    finished: dict[int, FinishedEvent] = {}
     try:
-        if reply.chat:
-            yield _sse(reply.chunk("", first=True))
-        while True:
-            event = await events.get()
-            if isinstance(event, TokensEvent):
-                num_tokens += len(event.token_ids)
-                text = deltas.push(event.token_ids)
-                if text:
-                    chunk = reply.chunk(text)
-                    chunk["kvlab"] = {"completion_tokens": num_tokens}  # lets a page count tokens, not chunks
-                    yield _sse(chunk)
-                continue
-            finished = True
+        while len(finished) < len(choices):
+            index, event = await events.get()
+            choice = choices[index]
             if isinstance(event, FailedEvent):
                 error = _failure(event)
                 yield _sse(error_body(error.message, error.kind, code=error.code))
                 break
-            assert isinstance(event, FinishedEvent)
-            last = reply.chunk(deltas.finish(event.output.text), _finish_reason(event))
-            last["kvlab"] = event.stats.to_dict()
-            yield _sse(last)
-            if reply.include_usage:
-                usage_chunk = reply.chunk(None)
-                usage_chunk["usage"] = _usage(event.stats)
+            if isinstance(event, TokensEvent):
+                fields = choice.on_tokens(event)
+                extra = None
+            else:
+                assert isinstance(event, FinishedEvent)
+                finished[index] = event
+                fields, extra = choice.on_finished(event), event.stats.to_dict()
+            if fields is None:
+                continue
+            chunk = reply.chunk([fields])
+            chunk["kvlab"] = extra or {"completion_tokens": choice.num_tokens}  # a page counts tokens, not chunks
+            if include_usage or continuous_usage:
+                chunk["usage"] = choice.usage_so_far() if continuous_usage else None
+            yield _sse(chunk)
+        else:
+            if include_usage:
+                ordered = [finished[index] for index in range(len(choices))]
+                usage_chunk = reply.chunk([])
+                usage_chunk["usage"] = total_usage(ordered, choices[0].generate)
                 yield _sse(usage_chunk)
-            break
         yield "data: [DONE]\n\n"
     finally:
-        if not finished:
+        if len(finished) < len(choices):
             cancel()
 
 

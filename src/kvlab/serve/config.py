@@ -14,6 +14,7 @@ MODES: tuple[Mode, ...] = ("plain", "lossy", "lossless")
 # kvlab.models.DTYPES and DraftWeights, spelled out so that `kvlab serve --help` loads no torch.
 Dtype = Literal["float32", "bfloat16", "float16"]
 DraftWeightsName = Literal["same", "bf16", "int8"]
+MetricsPrefix = Literal["kvlab", "vllm"]
 # The names a browser on this machine uses for a server bound to loopback.
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 ANY = "*"
@@ -55,6 +56,12 @@ class ServeConfig:
         default=(), metadata=_help(
             "web origins (scheme://host[:port], * for any) whose pages may call the API, with CORS headers "
             "(default: only pages the server itself serves)"
+        )
+    )
+    metrics_prefix: MetricsPrefix = dataclasses.field(
+        default="kvlab", metadata=_help(
+            "name prefix of the /metrics series: kvlab, or vllm (vLLM's names, for clients that read them, "
+            "e.g. the speculative-decoding counters of `vllm bench serve`)"
         )
     )
     max_num_seqs: int = dataclasses.field(default=8, metadata=_help("requests decoded at once (the running batch)"))
@@ -101,6 +108,8 @@ class ServeConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.metrics_prefix not in ("kvlab", "vllm"):
+            raise ConfigError(f"metrics_prefix must be kvlab or vllm, got {self.metrics_prefix!r}")
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         positive = {

@@ -64,7 +64,7 @@ class ServeEngine:
         self.loaded = loaded
         self.config = config
         self.default_lossless = default_lossless
-        self.metrics = metrics or ServeMetrics(loaded.name)
+        self.metrics = metrics or ServeMetrics(loaded.name, config.metrics_prefix)
         self.on_failure = on_failure
         self.failure: str | None = None
         self.prefixes = None
@@ -231,7 +231,7 @@ class ServeEngine:
                 self.metrics.num_draft_tokens.inc(request.rounds.num_draft_tokens)
                 self.metrics.num_accepted_tokens.inc(request.rounds.num_accepted_tokens)
             self.metrics.finished("stop" if output.stop_reason in ("eos", "stop_string") else output.stop_reason)
-            self._leave(request, None, FinishedEvent(output, stats))
+            self._leave(request, None, FinishedEvent(output, stats, request.last_token_ids))
 
     def _leave(
         self,
@@ -312,7 +312,13 @@ class ServeEngine:
         request.last_token_s = now
         request.num_tokens += len(tokens)
         self.metrics.generation_tokens.inc(len(tokens))
-        request.sink(TokensEvent(list(tokens)))
+        sequence = self.engine.sequence(request_id)
+        if sequence.stop_reason is not None:  # its last tokens: they travel with its FinishedEvent
+            request.last_token_ids = list(tokens)
+            return
+        first = request.num_tokens == len(tokens)
+        logprobs = None if sequence.logprobs is None else sequence.logprobs.tail(len(tokens))
+        request.sink(TokensEvent(list(tokens), logprobs, sequence.prompt_logprobs if first else None))
 
     def _update_gauges(self) -> None:
         with self._cond:

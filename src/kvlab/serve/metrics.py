@@ -1,4 +1,5 @@
-"""Prometheus metrics of the server, named as vLLM names its own (prefix `kvlab:`).
+"""Prometheus metrics of the server, named as vLLM names its own (prefix `kvlab:`, or `vllm:` for
+clients that read vLLM's series).
 
 One registry per server, so several servers (tests) in one process never share counters.
 """
@@ -25,19 +26,22 @@ class ServeMetrics:
     """Counters, gauges and histograms the engine and the HTTP layer update (already labelled with the
     model's name)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, prefix: str = "kvlab") -> None:
         self.registry = registry = CollectorRegistry()
         self.model_name = model_name
         model = {"model_name": model_name}
 
+        def named(name: str) -> str:
+            return name.replace("kvlab:", f"{prefix}:", 1)
+
         def gauge(name: str, text: str) -> Gauge:
-            return Gauge(name, text, ["model_name"], registry=registry).labels(**model)
+            return Gauge(named(name), text, ["model_name"], registry=registry).labels(**model)
 
         def counter(name: str, text: str) -> Counter:
-            return Counter(name, text, ["model_name"], registry=registry).labels(**model)
+            return Counter(named(name), text, ["model_name"], registry=registry).labels(**model)
 
         def histogram(name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, text, ["model_name"], buckets=buckets, registry=registry).labels(**model)
+            return Histogram(named(name), text, ["model_name"], buckets=buckets, registry=registry).labels(**model)
 
         self.running = gauge("kvlab:num_requests_running", "Requests prefilling or decoding.")
         self.waiting = gauge("kvlab:num_requests_waiting", "Requests queued for a slot (prefix fetches included).")
@@ -62,10 +66,10 @@ class ServeMetrics:
         )
         self.e2e = histogram("kvlab:e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS)
         self._success = Counter(
-            "kvlab:request_success", "Finished requests.", ["model_name", "finished_reason"], registry=registry
+            named("kvlab:request_success"), "Finished requests.", ["model_name", "finished_reason"], registry=registry
         )
         self._failure = Counter(
-            "kvlab:request_failure", "Requests refused, cancelled or failed.", ["model_name", "reason"],
+            named("kvlab:request_failure"), "Requests refused, cancelled or failed.", ["model_name", "reason"],
             registry=registry,
         )
 

@@ -18,7 +18,7 @@ from kvlab.lossless.config import LosslessConfig
 from kvlab.models import LoadedModel
 from kvlab.serve.config import Mode, ServeConfig
 from kvlab.serve.engine import ServerBusyError
-from kvlab.serve.protocol import ChatCompletionRequest, CompletionRequest
+from kvlab.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 # Prompt text is refused past this many characters per token of the prompt limit, before tokenizing
 # (which costs time and memory in proportion to the text). Tokenizers average 3-5 characters a token
@@ -29,7 +29,30 @@ MAX_CHARS_PER_TOKEN = 32
 Body = CompletionRequest | ChatCompletionRequest
 
 
-def resolve(body: Body, loaded: LoadedModel, serve: ServeConfig, default_lossless: LosslessConfig) -> Request:
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResolvedBody:
+    """A request body as the engine runs it: one engine request per prompt, and what the reply adds.
+
+    Attributes:
+        requests: One per prompt (a choice each, in order).
+        echo: The reply's text and log-probabilities start with the prompt's.
+        prompt_texts: Each prompt's text (what `echo` puts first).
+        generate: False for `max_tokens: 0`: the prompt is scored, nothing generated is reported (the
+            engine still picks one token, from the prefill's logits, at no extra forward).
+    """
+
+    requests: list[Request]
+    echo: bool = False
+    prompt_texts: tuple[str, ...] = ()
+    generate: bool = True
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + max_tokens of every prompt: what the requests may hold at once."""
+        return sum(request.num_tokens for request in self.requests)
+
+
+def resolve(body: Body, loaded: LoadedModel, serve: ServeConfig, default_lossless: LosslessConfig) -> ResolvedBody:
     """Tokenize and check `body` against the server's limits.
 
     Raises:
@@ -38,19 +61,27 @@ def resolve(body: Body, loaded: LoadedModel, serve: ServeConfig, default_lossles
     context = loaded.architecture.max_context
     limit = min(serve.max_prompt_tokens or context, context - 1)
     check_prompt_chars(body, limit)
-    prompt = prompt_ids(body, loaded)
-    if len(prompt) > limit:
-        raise _too_long(len(prompt), limit)
-    config = GenerationConfig(
-        max_new_tokens=_max_tokens(body, len(prompt), context, serve),
-        temperature=body.temperature,
-        top_p=body.top_p,
-        # OpenAI's API samples differently every time unless a seed is given.
-        seed=secrets.randbits(63) if body.seed is None else body.seed,
-        stop_strings=body.stop_strings,
-        ignore_eos=body.kvlab.ignore_eos,
-        prefill_chunk_tokens=serve.prefill_chunk_tokens,
-    )
+    prompts = prompt_ids(body, loaded)
+    for prompt in prompts:
+        if len(prompt) > limit:
+            raise _too_long(len(prompt), limit)
+    requests = [_engine_request(body, prompt, loaded, serve, default_lossless) for prompt in prompts]
+    total = sum(request.num_tokens for request in requests)
+    if total > serve.max_tokens_in_system:
+        raise ConfigError(
+            f"the prompts and max_tokens ({total} tokens) pass the {serve.max_tokens_in_system} tokens this "
+            "server holds at once (max_tokens_in_system)"
+        )
+    if isinstance(body, ChatCompletionRequest):
+        return ResolvedBody(requests)
+    texts = tuple(prompt if isinstance(prompt, str) else loaded.decode(prompt, False) for prompt in body.prompts)
+    return ResolvedBody(requests, body.echo, texts, generate=body.max_tokens != 0)
+
+
+def _engine_request(
+    body: Body, prompt: list[int], loaded: LoadedModel, serve: ServeConfig, default_lossless: LosslessConfig
+) -> Request:
+    config = generation_config(body, len(prompt), loaded.architecture.max_context, serve)
     options = body.kvlab
     mode: Mode = options.mode or serve.mode
     if mode == "plain" and (options.drafter is not None or options.drafter_args or options.draft_length is not None):
@@ -63,19 +94,39 @@ def resolve(body: Body, loaded: LoadedModel, serve: ServeConfig, default_lossles
             compressor = compressors.create_from_strings(serve.drafter, list(serve.drafter_args))
         else:
             compressor = compressors.create(options.drafter or serve.drafter, **(options.drafter_args or {}))
-    if compressor is not None:
         compressor.check_prompt(len(prompt))
-    if len(prompt) + config.max_new_tokens > serve.max_tokens_in_system:
-        raise ConfigError(
-            f"the prompt ({len(prompt)} tokens) and max_tokens ({config.max_new_tokens}) pass the "
-            f"{serve.max_tokens_in_system} tokens this server holds at once (max_tokens_in_system)"
-        )
     if mode != "lossless":
         return Request(prompt, config, compressor, cache_salt=options.cache_salt)
     assert compressor is not None
     draft_length = default_lossless.num_draft_tokens if options.draft_length is None else options.draft_length
     lossless = dataclasses.replace(default_lossless, drafter=compressor, num_draft_tokens=draft_length)
     return Request(prompt, config, lossless=lossless, cache_salt=options.cache_salt)
+
+
+def generation_config(body: Body, num_prompt: int, context: int, serve: ServeConfig) -> GenerationConfig:
+    """The decoding settings `body` asks for, vLLM's sampling extensions included."""
+    if isinstance(body, ChatCompletionRequest):
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        prompt_logprobs = None
+    else:
+        logprobs = body.logprobs
+        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    return GenerationConfig(
+        max_new_tokens=_max_tokens(body, num_prompt, context, serve),
+        temperature=body.temperature,
+        top_p=body.top_p,
+        # OpenAI's API samples differently every time unless a seed is given.
+        seed=secrets.randbits(63) if body.seed is None else body.seed,
+        stop_strings=body.stop_strings,
+        ignore_eos=body.ignore_eos or body.kvlab.ignore_eos,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
+        min_tokens=body.min_tokens,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        prefill_chunk_tokens=serve.prefill_chunk_tokens,
+    )
 
 
 def _too_long(num_tokens: int, limit: int) -> ConfigError:
@@ -86,15 +137,14 @@ def check_prompt_chars(body: Body, limit: int) -> None:
     """Refuse a prompt (chat: all messages together) longer than `limit * MAX_CHARS_PER_TOKEN` characters,
     or a token-id prompt longer than `limit`, before anything is tokenized."""
     if isinstance(body, ChatCompletionRequest):
-        num_chars = sum(len(message.text) for message in body.messages)
-    elif isinstance(body.prompt, str):
-        num_chars = len(body.prompt)
-    elif body.prompt and isinstance(body.prompt[0], str):
-        num_chars = len(body.prompt[0])
+        lengths = [sum(len(message.text) for message in body.messages)]
     else:
-        if len(body.prompt) > limit:
-            raise _too_long(len(body.prompt), limit)
-        return
+        lengths = []
+        for prompt in body.prompts:
+            if not isinstance(prompt, str) and len(prompt) > limit:
+                raise _too_long(len(prompt), limit)
+            lengths.append(len(prompt) if isinstance(prompt, str) else 0)
+    num_chars = max(lengths)
     if num_chars > limit * MAX_CHARS_PER_TOKEN:
         raise ConfigError(
             f"the prompt has {num_chars} characters; this server accepts at most {limit * MAX_CHARS_PER_TOKEN} "
@@ -102,31 +152,33 @@ def check_prompt_chars(body: Body, limit: int) -> None:
         )
 
 
-def prompt_ids(body: Body, loaded: LoadedModel) -> list[int]:
-    """Completions: the prompt as is (or given as token ids); chat: the messages through the chat template."""
+def prompt_ids(body: Body, loaded: LoadedModel) -> list[list[int]]:
+    """Completions: each prompt as is (or given as token ids); chat: the messages through the chat template."""
     if isinstance(body, ChatCompletionRequest):
         if not loaded.has_chat_template:
             raise ConfigError(f"model {loaded.name} has no chat template: use /v1/completions")
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text} for m in body.messages]
         encoded: Any = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids: Any = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
-        return [int(i) for i in ids]
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        vocab = len(loaded.tokenizer)
-        if any(not 0 <= int(token) < vocab for token in prompt):
+        return [[int(i) for i in ids]]
+    vocab = len(loaded.tokenizer)
+    prompts = []
+    for prompt in body.prompts:
+        if isinstance(prompt, str):
+            prompts.append(loaded.encode_prompt(prompt, raw=True))
+        elif any(not 0 <= token < vocab for token in prompt):
             raise ConfigError(f"prompt token ids must be in 0..{vocab - 1}")
-        return [int(token) for token in prompt]
-    text = prompt if isinstance(prompt, str) else str(prompt[0])
-    if not text:
-        raise ConfigError("the prompt is empty")
-    return loaded.encode_prompt(text, raw=True)
+        else:
+            prompts.append(list(prompt))
+    return prompts
 
 
 def _max_tokens(body: Body, num_prompt: int, context: int, serve: ServeConfig) -> int:
     asked = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         asked = body.max_completion_tokens
+    if asked == 0:  # echo without generating: the engine's one token comes from the prefill's logits
+        return 1
     room = context - num_prompt
     if asked is None:
         # As OpenAI: 16 for completions; chat generates until it stops, within the server's limit.
@@ -142,6 +194,37 @@ def _max_tokens(body: Body, num_prompt: int, context: int, serve: ServeConfig) -
             f"of {context} tokens"
         )
     return asked
+
+
+def tokenize(body: TokenizeRequest, loaded: LoadedModel, limit: int) -> list[int]:
+    """`/tokenize`: a prompt as is (special tokens added unless told not to), or messages through the chat
+    template (no special tokens beyond the template's unless told), within the server's prompt limit."""
+    if body.messages is not None:
+        if not loaded.has_chat_template:
+            raise ConfigError(f"model {loaded.name} has no chat template: tokenize a prompt instead")
+        num_chars = sum(len(message.text) for message in body.messages)
+    else:
+        num_chars = len(body.prompt or "")
+    if num_chars > limit * MAX_CHARS_PER_TOKEN:
+        raise ConfigError(
+            f"the text has {num_chars} characters; this server accepts at most {limit * MAX_CHARS_PER_TOKEN}"
+        )
+    if body.messages is None:
+        special = True if body.add_special_tokens is None else body.add_special_tokens
+        return [int(i) for i in loaded.tokenizer(body.prompt or "", add_special_tokens=special)["input_ids"]]
+    messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text} for m in body.messages]
+    text: Any = loaded.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
+    )
+    return [int(i) for i in loaded.tokenizer(str(text), add_special_tokens=bool(body.add_special_tokens))["input_ids"]]
+
+
+def detokenize(body: DetokenizeRequest, loaded: LoadedModel) -> str:
+    """`/detokenize`: the text of token ids (special tokens spelled out, as vLLM's server does)."""
+    vocab = len(loaded.tokenizer)
+    if any(not 0 <= token < vocab for token in body.tokens):
+        raise ConfigError(f"token ids must be in 0..{vocab - 1}")
+    return loaded.decode(body.tokens, False)
 
 
 class TokenBudget:

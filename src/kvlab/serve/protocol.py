@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 import math
 import re
-import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvlab.generation.logprobs import MAX_TOP_LOGPROBS
 from kvlab.serve.config import Mode
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
@@ -34,6 +34,8 @@ MAX_INT_DIGITS = 20
 # Array elements and object members in all (a prompt of token ids is one value per token).
 MAX_JSON_VALUES = 1 << 20
 MAX_CHAT_MESSAGES = 2048
+MAX_PROMPTS = 64
+MAX_STOP_TOKEN_IDS = 64
 MAX_DRAFTER_ARGS = 16
 MAX_OPTION_CHARS = 64
 JSON_MEDIA_TYPE = "application/json"
@@ -147,6 +149,7 @@ def is_json_media_type(content_type: str | None) -> bool:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class KvlabOptions(BaseModel):
@@ -158,7 +161,7 @@ class KvlabOptions(BaseModel):
         drafter: Compressor name (see `kvlab ls`); `drafter_args` its parameters.
         draft_length: Tokens drafted per round, or "auto" (`num_draft_tokens` in kvlab's code).
         cache_salt: Prefix-store namespace: only requests with the same salt share stored prefixes.
-        ignore_eos: Keep generating past end-of-sequence tokens (fixed-length measurements).
+        ignore_eos: Keep generating past end-of-sequence tokens (as the top-level `ignore_eos`).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -182,8 +185,18 @@ class KvlabOptions(BaseModel):
         return self
 
 
+# vLLM's sampling extensions that kvlab takes only at their neutral value: name -> (neutral values, wording).
+NEUTRAL_ONLY: dict[str, tuple[tuple[float, ...], str]] = {
+    "repetition_penalty": ((1.0,), "1.0"),
+    "top_k": ((-1, 0), "-1 or 0 (no top-k filtering)"),
+    "min_p": ((0.0,), "0"),
+    "presence_penalty": ((0.0,), "0"),
+    "frequency_penalty": ((0.0,), "0"),
+}
+
+
 class _Common(BaseModel):
-    """Fields both endpoints share."""
+    """Fields both endpoints share: OpenAI's, then vLLM's extensions (top level, as vLLM takes them)."""
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = Field(default=None, max_length=MAX_OPTION_CHARS * 4)
@@ -199,14 +212,25 @@ class _Common(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    skip_special_tokens: bool = True
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    include_stop_str_in_output: bool = False
+    repetition_penalty: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
     kvlab: KvlabOptions = Field(default_factory=KvlabOptions)
 
     @model_validator(mode="after")
     def _neutral(self) -> _Common:
         if self.n != 1:
-            raise ValueError("only n=1 is supported")
-        if self.presence_penalty or self.frequency_penalty or self.logit_bias:
-            raise ValueError("presence_penalty, frequency_penalty and logit_bias are not supported")
+            raise ValueError("n: only n=1 is supported (send several prompts to /v1/completions instead)")
+        for name, (neutral, wording) in NEUTRAL_ONLY.items():
+            if getattr(self, name) not in neutral:
+                raise ValueError(f"{name}={getattr(self, name)} is not supported: only {wording}")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         if any(not stop for stop in self.stop_strings):
@@ -215,6 +239,8 @@ class _Common(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
         if any(len(stop) > MAX_STOP_CHARS for stop in self.stop_strings):
             raise ValueError(f"stop strings are limited to {MAX_STOP_CHARS} characters")
+        if any(token < 0 for token in self.stop_token_ids or ()):
+            raise ValueError("stop_token_ids must be token ids (>= 0)")
         return self
 
     @property
@@ -227,25 +253,61 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+Prompt = str | list[int]
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
+
 
 class CompletionRequest(_Common):
-    """`POST /v1/completions`: the prompt is tokenized as is (no chat template)."""
+    """`POST /v1/completions`: each prompt is tokenized as is (no chat template) and makes one choice."""
 
-    prompt: str | list[int] | list[str]
+    prompt: Any
+    max_tokens: int | None = Field(default=None, ge=0)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, prompt: Any) -> list[Prompt]:
+        """The prompts, from any of the shapes OpenAI's and vLLM's servers take."""
+        if isinstance(prompt, str):
+            prompts: list[Any] = [prompt]
+        elif isinstance(prompt, list) and prompt and all(_is_token_id(token) for token in prompt):
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and all(
+            isinstance(item, str) or (isinstance(item, list) and all(_is_token_id(token) for token in item))
+            for item in prompt
+        ):
+            prompts = prompt
+        else:
+            raise ValueError(f"must be {PROMPT_SHAPES}")
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+        if any(len(item) == 0 for item in prompts):
+            raise ValueError("a prompt is empty")
+        return prompts
+
     @model_validator(mode="after")
-    def _single_prompt(self) -> CompletionRequest:
-        if self.echo or self.logprobs is not None or self.suffix is not None or self.best_of not in (None, 1):
-            raise ValueError("echo, logprobs, suffix and best_of are not supported")
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
-            raise ValueError("one prompt per request (a list of strings must hold exactly one)")
-        if not self.prompt:
-            raise ValueError("the prompt is empty")
+    def _completion(self) -> CompletionRequest:
+        if self.suffix is not None or self.best_of not in (None, 1):
+            raise ValueError("suffix and best_of are not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 needs echo=true (it scores the prompt without generating)")
         return self
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        return list(self.prompt)
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class TextPart(BaseModel):
@@ -271,67 +333,38 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
     def _chat(self) -> ChatCompletionRequest:
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("give max_tokens or max_completion_tokens, not both")
         return self
 
 
-def error_body(
-    message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    """An OpenAI-style error object."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+class TokenizeRequest(BaseModel):
+    """`POST /tokenize`, as vLLM's server takes it: a prompt, or chat messages through the template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(default=None, max_length=MAX_OPTION_CHARS * 4)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_CHAT_MESSAGES)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give prompt or messages, not both")
+        return self
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
+class DetokenizeRequest(BaseModel):
+    """`POST /detokenize`: token ids back to text."""
 
-
-def completion_body(
-    request_id: str, model: str, chat: bool, text: str, finish_reason: str | None, created: int | None = None
-) -> dict[str, Any]:
-    """A whole reply (or, with `chunk`-style text, one streamed chunk: see `chunk_body`)."""
-    created = created or int(time.time())
-    if chat:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-        return {"id": request_id, "object": "chat.completion", "created": created, "model": model, "choices": [choice]}
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
-
-
-def chunk_body(
-    request_id: str, model: str, chat: bool, created: int, text: str | None, finish_reason: str | None,
-    first: bool = False,
-) -> dict[str, Any]:
-    """One server-sent event of a streamed reply; `text=None` makes the usage-only chunk (no choices)."""
-    if chat:
-        chunk: dict[str, Any] = {
-            "id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-        }
-        if text is None:
-            chunk["choices"] = []
-            return chunk
-        delta: dict[str, Any] = {"content": text}
-        if first:
-            delta["role"] = "assistant"
-        chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
-        return chunk
-    chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    chunk["choices"] = [] if text is None else [choice]
-    return chunk
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(default=None, max_length=MAX_OPTION_CHARS * 4)
+    tokens: list[int]

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from kvlab.engine import Request
+from kvlab.generation.logprobs import TokenLogprobs
 from kvlab.generation.outputs import RequestOutput
 from kvlab.lossless.stats import LosslessStats
 from kvlab.serve.config import Mode
@@ -15,17 +16,33 @@ from kvlab.timing import timestamp_s
 
 @dataclasses.dataclass(slots=True)
 class TokensEvent:
-    """New tokens of the request (several at once when a lossless round accepted drafts)."""
+    """New tokens of the request (several at once when a lossless round accepted drafts); its last
+    tokens come with its `FinishedEvent` instead, so a stream can end on them.
+
+    Attributes:
+        token_ids: The tokens.
+        logprobs: Their scores, when the request asked for them.
+        prompt_logprobs: The prompt's scores, on the first event of a request that asked for them.
+    """
 
     token_ids: list[int]
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 @dataclasses.dataclass(slots=True)
 class FinishedEvent:
-    """The request stopped; `output.text` is its final text (cut before a stop string)."""
+    """The request stopped; `output.text` is its final text (cut at a stop string).
+
+    Attributes:
+        output: Everything it produced (`output.logprobs` and `output.prompt_logprobs` included).
+        stats: Its figures.
+        last_token_ids: Its last tokens, not sent in a `TokensEvent` (empty when it produced none since).
+    """
 
     output: RequestOutput
     stats: RequestStats
+    last_token_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 FailureKind = Literal["invalid", "shutdown", "error"]
@@ -102,6 +119,7 @@ class ServeRequest:
         rounds: The lossless sequence's own round statistics, once it decodes.
         prefill_start_s, first_token_s, last_token_s: `kvlab.timing.timestamp_s()` at those moments.
         num_tokens: Tokens sent so far.
+        last_token_ids: Its last tokens, held for its `FinishedEvent`.
     """
 
     request: Request
@@ -115,6 +133,7 @@ class ServeRequest:
     first_token_s: float | None = None
     last_token_s: float | None = None
     num_tokens: int = 0
+    last_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     def finish_stats(self, completion_tokens: int) -> RequestStats:
         """The reply's figures once the request has stopped."""

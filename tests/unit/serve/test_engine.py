@@ -96,7 +96,9 @@ def test_greedy_outputs_equal_offline_decoding_while_requests_join_and_leave(
         expected = offline(loaded, prompt, config, mode)
         assert event.output.token_ids == expected, f"{mode} request {tag} differs from offline decoding"
         streamed = [t for tag_, e in collector.log if tag_ == tag and isinstance(e, TokensEvent) for t in e.token_ids]
-        assert streamed == expected, f"request {tag}: streamed tokens differ from the final output"
+        # The last tokens travel with the finished event, so a stream ends on them.
+        assert event.last_token_ids, f"request {tag}: its last tokens did not come with its finished event"
+        assert streamed + event.last_token_ids == expected, f"request {tag}: streamed tokens differ from the output"
     assert engine.engine.num_unfinished() == 0
 
 
