@@ -314,7 +314,7 @@ class Engine:
                     self._fail(owners[id(feed)], error, finished)
                 continue
             num_verifying = len(batch.feeds) - batch.num_drafting
-            self.costs.observe(seconds, batch.num_drafting, num_verifying)
+            self.costs.observe(seconds, batch.num_drafting, [len(f.token_ids) for f in batch.feeds if not f.drafting])
             if num_verifying:
                 self.lossless_stats.verify_s += seconds
             else:

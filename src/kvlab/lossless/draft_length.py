@@ -1,4 +1,5 @@
-"""How many tokens to draft next: fixed, or adapted to measured acceptance and forward costs."""
+"""How many tokens to draft next: fixed, or adapted to measured acceptance and forward costs, down to
+none at all (the sequence stands aside and takes plain steps) when drafting does not pay."""
 
 from __future__ import annotations
 
@@ -7,26 +8,41 @@ import dataclasses
 
 @dataclasses.dataclass(slots=True)
 class StepCosts:
-    """Measured seconds a sequence adds to a forward: per drafted token, and per verify.
+    """Measured seconds a sequence adds to a forward: per drafted token, per verify, per plain step.
 
     Forwards pack several sequences, drafting and verifying, so costs are estimated per segment:
-    a forward with only draft segments gives the cost of one draft segment; a forward with verify
-    segments gives, after the draft segments' share, the cost of one verify (the full-KV read and any
-    wait for the tier included). Exponential moving averages with weight `decay` on history.
+    a forward with only draft segments gives the cost of one draft segment; a forward whose full-cache
+    segments all feed one token (plain steps: plain requests, or lossless ones standing aside) gives
+    the cost of a plain step; a forward with longer verifies gives, after the other segments' share,
+    the cost of one verify (the full-KV read and any wait for the tier included). Exponential moving
+    averages with weight `decay` on history.
     """
 
     decay: float = 0.7
     draft_s: float = 0.0
     verify_s: float = 0.0
+    plain_s: float = 0.0
 
-    def observe(self, seconds: float, num_draft_segments: int, num_verify_segments: int) -> None:
-        """Fold in one forward (or one tick of two forwards) of the given segments."""
-        if num_verify_segments == 0:
+    def observe(self, seconds: float, num_draft_segments: int, full_segment_tokens: list[int]) -> None:
+        """Fold in one forward of `num_draft_segments` draft segments and full-cache segments feeding
+        `full_segment_tokens` tokens each."""
+        num_verify = sum(tokens > 1 for tokens in full_segment_tokens)
+        num_plain = len(full_segment_tokens) - num_verify
+        if not full_segment_tokens:
             if num_draft_segments:
                 self.draft_s = self._average(self.draft_s, seconds / num_draft_segments)
             return
-        verify = max(seconds - num_draft_segments * self.draft_s, 0.0) / num_verify_segments
+        others = num_draft_segments * self.draft_s
+        if num_verify == 0:
+            self.plain_s = self._average(self.plain_s, max(seconds - others, 0.0) / num_plain)
+            return
+        verify = max(seconds - others - num_plain * self.plain_s, 0.0) / num_verify
         self.verify_s = self._average(self.verify_s, verify)
+
+    @property
+    def plain_step_s(self) -> float:
+        """A plain step's cost: measured, else a verify's (which feeds more tokens over the same KV)."""
+        return self.plain_s or self.verify_s
 
     def _average(self, old: float, new: float) -> float:
         return new if old == 0 else self.decay * old + (1 - self.decay) * new
@@ -43,12 +59,20 @@ class DraftLengthController:
     [1, max_num_draft_tokens] that maximizes expected tokens per second. Same-model drafters with a
     dominant-attention cache accept long runs, so k grows to tens of tokens; weak drafters stay short.
 
+    Stepping aside: when even the best k is expected to emit fewer tokens per second than a plain
+    step (one token per `StepCosts.plain_step_s`), it drafts nothing: the round is a plain step on the
+    full cache, whose exact KV still reaches the draft cache. Every `probe_interval` rounds aside it
+    drafts `initial_num_draft_tokens` again to measure acceptance anew; a probe that does not pay
+    doubles the interval (up to `max_probe_interval`), one that does returns the sequence to drafting.
+
     Attributes:
         costs: Measured per-segment costs, shared by the sequences of a run.
         fixed: A fixed draft length, or None to adapt.
-        initial_num_draft_tokens: Draft length of the first round when adapting.
+        initial_num_draft_tokens: Draft length of the first round, and of probes, when adapting.
         max_num_draft_tokens: Upper bound of adaptive lengths.
         decay: Weight of history in the acceptance averages (0..1).
+        min_probe_interval, max_probe_interval: Rounds aside between probes, at first and at most.
+        num_stood_aside: Rounds it chose to draft nothing.
     """
 
     costs: StepCosts
@@ -56,14 +80,35 @@ class DraftLengthController:
     initial_num_draft_tokens: int = 8
     max_num_draft_tokens: int = 64
     decay: float = 0.7
+    min_probe_interval: int = 8
+    max_probe_interval: int = 64
     accepted: float = 0.0
     rejected: float = 0.0
+    num_stood_aside: int = 0
+    probe_interval: int = 0
+    _aside_since_probe: int = 0
 
     def next_num_draft_tokens(self) -> int:
         if self.fixed is not None:
             return self.fixed
         if self.accepted + self.rejected == 0 or self.costs.verify_s == 0 or self.costs.draft_s == 0:
             return self.initial_num_draft_tokens
+        best_length, best_rate = self._best_length()
+        if best_rate * self.costs.plain_step_s >= 1.0:
+            self.probe_interval = 0
+            return best_length
+        if not self.probe_interval:  # it stops paying now: probe again after the shortest interval
+            self.probe_interval, self._aside_since_probe = self.min_probe_interval, 0
+        if self._aside_since_probe >= self.probe_interval:
+            self._aside_since_probe = 0
+            self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
+            return self.initial_num_draft_tokens
+        self._aside_since_probe += 1
+        self.num_stood_aside += 1
+        return 0
+
+    def _best_length(self) -> tuple[int, float]:
+        """The draft length with the most expected tokens per second, and that rate."""
         # Laplace smoothing keeps alpha below 1 so the expected gain stays finite.
         alpha = (self.accepted + 0.5) / (self.accepted + self.rejected + 1.0)
         best_length, best_rate = 1, 0.0
@@ -72,7 +117,7 @@ class DraftLengthController:
             rate = expected_tokens / (length * self.costs.draft_s + self.costs.verify_s)
             if rate > best_rate:
                 best_length, best_rate = length, rate
-        return best_length
+        return best_length, best_rate
 
     def update(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         """Fold in one round of this sequence."""

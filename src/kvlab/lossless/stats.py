@@ -13,6 +13,8 @@ class LosslessStats:
 
     Attributes:
         rounds: Verify passes, one per sequence per round.
+        num_plain_rounds: Rounds that drafted nothing, a plain step on the full cache: the sequence
+            stood aside (under `auto`, drafting was not expected to pay) or had one token left.
         num_draft_tokens: Tokens drafted, all sequences together.
         num_accepted_tokens: Drafted tokens the full model accepted.
         acceptance_length: Mean tokens emitted per round, the accepted drafts plus the correction or
@@ -26,6 +28,7 @@ class LosslessStats:
     """
 
     rounds: int = 0
+    num_plain_rounds: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     acceptance_length: float = 0.0
@@ -43,12 +46,18 @@ class LosslessStats:
             self.drafted_per_position.append(0)
             self.accepted_per_position.append(0)
         self.rounds += 1
+        self.num_plain_rounds += num_draft_tokens == 0
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
         for position in range(num_draft_tokens):
             self.drafted_per_position[position] += 1
             self.accepted_per_position[position] += position < num_accepted_tokens
         self.acceptance_length = (self.num_accepted_tokens + self.rounds) / self.rounds
+
+    @property
+    def num_drafting_rounds(self) -> int:
+        """Rounds that drafted at least one token."""
+        return self.rounds - self.num_plain_rounds
 
     @property
     def mean_num_draft_tokens(self) -> float:

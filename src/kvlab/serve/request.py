@@ -80,6 +80,8 @@ class RequestStats:
         decode_s: Seconds from the first token to the last.
         num_draft_tokens, num_accepted_tokens, rounds, acceptance_length: Lossless rounds (vLLM's
             definitions: acceptance length counts the bonus token); zero in other modes.
+        num_plain_rounds: Lossless rounds that drafted nothing (the sequence stood aside, or had one
+            token left).
     """
 
     mode: Mode
@@ -93,12 +95,14 @@ class RequestStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     rounds: int = 0
+    num_plain_rounds: int = 0
     acceptance_length: float = 0.0
 
     def record_rounds(self, rounds: LosslessStats) -> None:
         self.num_draft_tokens = rounds.num_draft_tokens
         self.num_accepted_tokens = rounds.num_accepted_tokens
         self.rounds = rounds.rounds
+        self.num_plain_rounds = rounds.num_plain_rounds
         self.acceptance_length = rounds.acceptance_length
 
     def to_dict(self) -> dict[str, Any]:

@@ -133,8 +133,8 @@ def test_sampled_speculative_decoding_is_seeded() -> None:
 def test_adaptive_draft_length_grows_with_acceptance_and_shrinks_without() -> None:
     costs = StepCosts()
     for _ in range(3):
-        costs.observe(0.04, num_draft_segments=4, num_verify_segments=0)  # 10 ms per draft segment
-        costs.observe(0.14, num_draft_segments=4, num_verify_segments=1)  # 100 ms per verify
+        costs.observe(0.04, num_draft_segments=4, full_segment_tokens=[])  # 10 ms per draft segment
+        costs.observe(0.14, num_draft_segments=4, full_segment_tokens=[9])  # 100 ms per verify
     assert costs.draft_s == pytest.approx(0.01) and costs.verify_s == pytest.approx(0.1)
     controller = DraftLengthController(costs, initial_num_draft_tokens=8, max_num_draft_tokens=64)
     assert controller.next_num_draft_tokens() == 8
