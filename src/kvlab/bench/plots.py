@@ -89,7 +89,9 @@ def render_plots(cells: Sequence[dict[str, Any]], directory: Path, prefix: str, 
     if any(cell.get("likelihood") and cell["kind"] == "lossy" for cell in cells):
         paths.append(
             _rate_distortion(
-                figure_class, cells, f"Rate-distortion: KL and perplexity vs KV bytes ratio{suffix}",
+                figure_class, cells,
+                f"Rate-distortion: KL and perplexity vs KV bytes ratio{suffix}\n"
+                "(point labels: % of tokens removed, or bits)",
                 directory / f"{prefix}kl_vs_kv_bytes.png",
             )
         )  # fmt: skip
@@ -303,8 +305,8 @@ def _likelihood_value(cell: dict[str, Any], key: str) -> float | None:
 
 
 def _rate_distortion(figure_class: Any, cells: Sequence[dict[str, Any]], title: str, path: Path) -> Path:
-    """KL and PPL of the lossy rows against their KV bytes ratio, each point named by its row; full KV's
-    PPL as a level (its KL is 0)."""
+    """KL and PPL of the lossy rows against their KV bytes ratio, each point labelled with its row's setting
+    (eviction: percent of tokens removed; quantizers: bits); full KV's PPL as a level (its KL is 0)."""
     from matplotlib.ticker import LogFormatter
 
     figure = figure_class(figsize=(12, 5), layout="constrained")
@@ -322,7 +324,9 @@ def _rate_distortion(figure_class: Any, cells: Sequence[dict[str, Any]], title: 
             style = CURVE_DASHES[index % len(CURVE_DASHES)]
             axes.plot(xs, ys, marker=CURVE_MARKERS[index % len(CURVE_MARKERS)], linestyle=style, label=family)
             for x, y, label in points:
-                axes.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+                # The row's setting only (snapkv-87.5 -> 87.5): the legend names the method.
+                setting = label.removeprefix(family).removeprefix("-")
+                axes.annotate(setting, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         if full_level is not None:
             axes.axhline(full_level, color="black", linewidth=1, label="full KV")
         if all(y > 0 for points in lines.values() for _, y, _ in points):
