@@ -15,6 +15,7 @@ from kvlab.engine import generate, generate_lossless
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, GenerationOutput
 from kvlab.lossless import LosslessConfig, LosslessOutput
+from kvlab.lossless.prompt_lookup import split_drafter_name
 from kvlab.models import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 
@@ -52,7 +53,10 @@ class GenerateCommand(Command):
         lossless.add_argument(
             "--lossless", action="store_true", help="draft from a compressed cache, verify with the full one"
         )
-        lossless.add_argument("--drafter", default="snapkv", help="compressor whose cache drafts")
+        lossless.add_argument(
+            "--drafter", default="snapkv",
+            help="compressor whose cache drafts; ngram+NAME also drafts by prompt lookup (e.g. ngram+snapkv)",
+        )
         lossless.add_argument(
             "--drafter-arg", action="append", default=[], metavar="KEY=VALUE", help="drafter parameter"
         )
@@ -129,7 +133,8 @@ def _lossless_config(args: argparse.Namespace) -> LosslessConfig | None:
         raise ConfigError("--prefix-draft drafts from a stored prefix: add --prefix-store URL")
     if args.compressor is not None:
         raise ConfigError("--compressor decodes lossily; with --lossless choose the drafter with --drafter")
-    return LosslessConfig(compressors.create_from_strings(args.drafter, args.drafter_arg), **given)
+    lookup, name = split_drafter_name(args.drafter)
+    return LosslessConfig(compressors.create_from_strings(name, args.drafter_arg), prompt_lookup=lookup, **given)
 
 
 def _compressor(args: argparse.Namespace) -> Compressor | None:

@@ -243,7 +243,7 @@ class Engine:
             assert prefilled.draft is not None  # add_request refuses a lossless prompt prefilled without one
             sequence.lossless = LosslessState(
                 cache, prefilled.draft, request.lossless, request.lossless.controller(self.costs),
-                pending=[first_token], draft_missing=1, totals=self._totals(),
+                pending=[first_token], draft_missing=1, totals=self._totals(), lookup=request.lossless.lookup_choice(),
             )
         else:
             sequence.cache = cache
@@ -282,7 +282,7 @@ class Engine:
         self._admitted(sequence)
         sequence.lossless = LosslessState(started.exact, started.draft, settings, settings.controller(self.costs),
                                           pending=[], draft_missing=0, totals=self._totals(),
-                                          draft_logits=started.draft_logits)
+                                          draft_logits=started.draft_logits, lookup=settings.lookup_choice())
         sequence.start(lossless_rounds(sequence, sequence.lossless))
         self._record_caches(self.scheduler.running)
         return True

@@ -56,9 +56,11 @@ class Request:
 
     @property
     def drafter_name(self) -> str | None:
-        """The registry name of the compressor whose cache decodes (lossy) or drafts (lossless)."""
-        compressor = self.compressor if self.lossless is None else self.lossless.drafter
-        return None if compressor is None else str(type(compressor).registry_name)  # type: ignore[attr-defined]
+        """The registry name of the compressor whose cache decodes (lossy) or drafts (lossless, `ngram+` first
+        with prompt lookup)."""
+        if self.lossless is not None:
+            return self.lossless.drafter_name
+        return None if self.compressor is None else str(type(self.compressor).registry_name)  # type: ignore[attr-defined]
 
     @property
     def reuses_prefixes(self) -> bool:

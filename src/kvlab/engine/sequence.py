@@ -101,6 +101,9 @@ class Sequence:
     def remaining(self) -> int:
         return self.checker.max_new_tokens - len(self.token_ids)
 
+    def context_ids(self) -> list[int]:
+        return self.request.prompt + self.token_ids
+
     def emit(self, token_ids: list[int]) -> bool:
         """Append `token_ids` one by one until a stop rule fires; True while the sequence goes on."""
         kept = len(token_ids)

@@ -57,6 +57,10 @@ class RoundHost(Protocol):
         """Tokens the sequence may still generate."""
         ...
 
+    def context_ids(self) -> list[int]:
+        """The prompt and the tokens generated so far."""
+        ...
+
     def emit(self, token_ids: list[int]) -> bool:
         """Record tokens the sequence generated; True while it goes on (no stop rule fired)."""
         ...

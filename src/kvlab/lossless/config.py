@@ -8,6 +8,7 @@ from typing import Literal
 from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
 from kvlab.lossless.draft_length import DraftLengthController, StepCosts
+from kvlab.lossless.prompt_lookup import NGRAM_PREFIX, LookupChoice, PromptLookup
 from kvlab.models.draft_weights import DRAFT_WEIGHTS, DraftWeights
 from kvlab.store.resolution import RESOLUTIONS, get_resolution
 
@@ -47,6 +48,13 @@ class LosslessConfig:
             "uses the exact model"
         },
     )
+    prompt_lookup: PromptLookup | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "also draft by prompt lookup (the `ngram+` drafters): a round takes what followed the context's "
+            "last tokens before, at no forward, when that is expected to pay more than the compressed cache"
+        },
+    )
     prefix_draft: str | None = dataclasses.field(
         default=None,
         metadata={
@@ -80,6 +88,17 @@ class LosslessConfig:
             raise ConfigError(f"prefix_draft_chunks must be at least 1 or None, got {self.prefix_draft_chunks}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+
+    @property
+    def drafter_name(self) -> str:
+        """The drafter's name as `--drafter` takes it (`ngram+snapkv` with prompt lookup)."""
+        name = str(type(self.drafter).registry_name)  # type: ignore[attr-defined]
+        return NGRAM_PREFIX + name if self.prompt_lookup is not None else name
+
+    def lookup_choice(self) -> LookupChoice | None:
+        """A sequence's record for choosing between prompt lookup and the compressed cache (None without
+        prompt lookup)."""
+        return None if self.prompt_lookup is None else LookupChoice(self.prompt_lookup)
 
     def controller(self, costs: StepCosts) -> DraftLengthController:
         """A draft-length controller for one sequence, sharing the run's measured `costs`."""

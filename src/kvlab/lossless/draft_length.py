@@ -107,6 +107,14 @@ class DraftLengthController:
         self.num_stood_aside += 1
         return 0
 
+    def expected_rate(self) -> float:
+        """Tokens per second this sequence expects from its next round, drafting from the compressed cache
+        or standing aside, whichever pays (0 until its acceptance and the costs are measured)."""
+        if self.accepted + self.rejected == 0 or self.costs.verify_s == 0 or self.costs.draft_s == 0:
+            return 0.0
+        plain_rate = 1.0 / self.costs.plain_step_s
+        return plain_rate if self.fixed is None and self._best_length()[1] < plain_rate else self._best_length()[1]
+
     def _best_length(self) -> tuple[int, float]:
         """The draft length with the most expected tokens per second, and that rate."""
         # Laplace smoothing keeps alpha below 1 so the expected gain stays finite.

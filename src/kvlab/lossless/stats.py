@@ -15,6 +15,8 @@ class LosslessStats:
         rounds: Verify passes, one per sequence per round.
         num_plain_rounds: Rounds that drafted nothing, a plain step on the full cache: the sequence
             stood aside (under `auto`, drafting was not expected to pay) or had one token left.
+        num_lookup_rounds, num_lookup_accepted_tokens: Rounds whose drafts came from prompt lookup
+            (`ngram+` drafters), and how many of those drafts were accepted.
         num_draft_tokens: Tokens drafted, all sequences together.
         num_accepted_tokens: Drafted tokens the full model accepted.
         acceptance_length: Mean tokens emitted per round, the accepted drafts plus the correction or
@@ -29,6 +31,8 @@ class LosslessStats:
 
     rounds: int = 0
     num_plain_rounds: int = 0
+    num_lookup_rounds: int = 0
+    num_lookup_accepted_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     acceptance_length: float = 0.0
@@ -39,8 +43,10 @@ class LosslessStats:
     kv_load_s: float = 0.0
     num_draft_tokens_per_round: list[int] = dataclasses.field(default_factory=list)
 
-    def record_round(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        """Add one round of one sequence."""
+    def record_round(self, num_draft_tokens: int, num_accepted_tokens: int, looked_up: bool = False) -> None:
+        """Add one round of one sequence (`looked_up`: its drafts came from prompt lookup)."""
+        self.num_lookup_rounds += looked_up
+        self.num_lookup_accepted_tokens += num_accepted_tokens if looked_up else 0
         self.num_draft_tokens_per_round.append(num_draft_tokens)
         while len(self.drafted_per_position) < num_draft_tokens:
             self.drafted_per_position.append(0)

@@ -15,6 +15,7 @@ from kvlab.engine import Request
 from kvlab.errors import ConfigError
 from kvlab.generation.config import GenerationConfig
 from kvlab.lossless.config import LosslessConfig
+from kvlab.lossless.prompt_lookup import NGRAM_PREFIX, split_drafter_name
 from kvlab.models import LoadedModel
 from kvlab.serve.config import Mode, ServeConfig
 from kvlab.serve.engine import ServerBusyError
@@ -88,18 +89,23 @@ def _engine_request(
         raise ConfigError("kvlab.drafter, kvlab.drafter_args and kvlab.draft_length need mode 'lossy' or 'lossless'")
     if mode == "lossy" and options.draft_length is not None:
         raise ConfigError("kvlab.draft_length needs mode 'lossless'")
-    compressor = None
+    compressor, lookup = None, None
     if mode != "plain":
+        lookup, name = split_drafter_name(options.drafter or serve.drafter)
+        if lookup is not None and mode == "lossy":
+            raise ConfigError(f"{NGRAM_PREFIX} drafters propose drafts for lossless mode; lossy mode decodes from a "
+                              "compressor's cache: name the compressor alone")
         if options.drafter is None and options.drafter_args is None:
-            compressor = compressors.create_from_strings(serve.drafter, list(serve.drafter_args))
+            compressor = compressors.create_from_strings(name, list(serve.drafter_args))
         else:
-            compressor = compressors.create(options.drafter or serve.drafter, **(options.drafter_args or {}))
+            compressor = compressors.create(name, **(options.drafter_args or {}))
         compressor.check_prompt(len(prompt))
     if mode != "lossless":
         return Request(prompt, config, compressor, cache_salt=options.cache_salt)
     assert compressor is not None
     draft_length = default_lossless.num_draft_tokens if options.draft_length is None else options.draft_length
-    lossless = dataclasses.replace(default_lossless, drafter=compressor, num_draft_tokens=draft_length)
+    lossless = dataclasses.replace(default_lossless, drafter=compressor, num_draft_tokens=draft_length,
+                                   prompt_lookup=lookup)
     return Request(prompt, config, lossless=lossless, cache_salt=options.cache_salt)
 
 

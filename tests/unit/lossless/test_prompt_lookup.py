@@ -1,0 +1,110 @@
+"""Prompt-lookup drafts composed with compressed-cache drafts (`ngram+NAME`): the lookup itself, greedy
+output equal to plain decoding for every compressor, sampling that keeps the full model's distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.compress import create_compressor
+from kvlab.engine import Engine, Request, generate_lossless
+from kvlab.errors import ConfigError
+from kvlab.generation import GenerationConfig, reference_generate
+from kvlab.lossless import LosslessConfig
+from kvlab.lossless.prompt_lookup import PromptLookup, find_continuation, split_drafter_name
+from tests.helpers import tiny_llama
+from tests.unit.lossless.test_lossless import DRAFTERS, _prompts
+
+LOOKUP = PromptLookup()
+
+
+def test_the_longest_recent_ngram_match_gives_the_continuation() -> None:
+    context = [1, 2, 3, 9, 9, 5, 2, 3, 7, 8, 4, 1, 2, 3]
+    # The last three tokens (1 2 3) occurred at the start: what followed them is proposed.
+    assert find_continuation(context, 3, LOOKUP) == [9, 9, 5]
+    # Without a 3-gram match, the most recent 2-gram (2 3) wins over older ones.
+    assert find_continuation([2, 3, 7, 8, 6, 2, 3, 5, 0, 2, 3], 2, LOOKUP) == [5, 0]
+    assert find_continuation([4, 5, 6], 4, LOOKUP) == []  # 6 never occurred before
+    assert find_continuation([4, 6, 5, 6], 4, LOOKUP) == [5, 6]  # the match runs up to the end
+    assert find_continuation([4, 6, 5, 6], 0, LOOKUP) == []
+
+
+def test_drafter_names_compose() -> None:
+    assert split_drafter_name("ngram+snapkv") == (PromptLookup(), "snapkv")
+    assert split_drafter_name("kivi") == (None, "kivi")
+    with pytest.raises(ConfigError, match="after 'ngram\\+'"):
+        split_drafter_name("ngram+")
+    with pytest.raises(ConfigError, match="min_ngram"):
+        PromptLookup(max_ngram=1, min_ngram=2)
+
+
+def repetitive_prompt(length: int) -> list[int]:
+    """A prompt that repeats a phrase, so lookups find matches and the model continues it in part."""
+    phrase = _prompts(12)[0]
+    return (phrase * (length // len(phrase) + 1))[:length]
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+def test_greedy_output_equals_plain_decoding_with_prompt_lookup(name: str) -> None:
+    loaded = tiny_llama(num_kv_heads=2)
+    prompts = [repetitive_prompt(70), _prompts(60)[0]]
+    config = GenerationConfig(max_new_tokens=40)
+    expected = reference_generate(loaded, prompts, config)
+    for draft_length in (4, "auto"):
+        spec = LosslessConfig(create_compressor(name, **DRAFTERS[name]), draft_length,  # type: ignore[arg-type]
+                              prompt_lookup=LOOKUP)
+        output = generate_lossless(loaded, prompts, config, spec)
+        for index, request in enumerate(output.requests):
+            assert request.token_ids == expected.requests[index].token_ids, f"ngram+{name} k={draft_length} {index}"
+        assert output.lossless.num_lookup_rounds > 0, "no round drafted from the lookup"
+
+
+def test_lookup_rounds_are_taken_while_they_pay_and_counted() -> None:
+    loaded = tiny_llama(num_kv_heads=2)
+    prompt = repetitive_prompt(80)
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    spec = LosslessConfig(create_compressor("snapkv", **DRAFTERS["snapkv"]), "auto", prompt_lookup=LOOKUP)
+    engine = Engine(loaded)
+    request_id = engine.add_request(Request(prompt, config, lossless=spec))
+    while engine.has_work():
+        engine.step()
+    stats = engine.round_stats(request_id)
+    assert stats is not None and stats.num_lookup_rounds > 0
+    assert stats.num_lookup_accepted_tokens <= stats.num_accepted_tokens
+    assert engine.output(request_id).token_ids == reference_generate(loaded, [prompt], config).requests[0].token_ids
+    assert Request(prompt, config, lossless=spec).drafter_name == "ngram+snapkv"
+
+
+def test_sampled_decoding_with_prompt_lookup_follows_the_full_models_distribution() -> None:
+    """As the compressed-cache test in test_lossless.py: the second token's marginal under the full model,
+    against 1500 seeded runs whose round drafts one token, from the lookup (a one-hot draft distribution)
+    where it finds one."""
+    loaded = tiny_llama(num_kv_heads=2)
+    prompt = repetitive_prompt(24)
+    temperature = 0.7
+    with torch.inference_mode():
+        logits = loaded.model(torch.tensor([prompt])).logits[0, -1]
+        first = torch.softmax(logits / temperature, dim=-1)
+        continued = torch.tensor([prompt + [token] for token in range(first.shape[0])])
+        second = torch.softmax(loaded.model(continued).logits[:, -1] / temperature, dim=-1)
+    marginal = (first[:, None] * second).sum(dim=0)
+    spec = LosslessConfig(create_compressor("streamingllm", budget=6), 2, prompt_lookup=PromptLookup(min_ngram=1))
+    runs, counts, looked_up, num_rejected = 1500, torch.zeros_like(marginal), 0, 0
+    for seed in range(runs):
+        # Three tokens: the round after the first drafts one (a round never drafts the last token).
+        config = GenerationConfig(max_new_tokens=3, temperature=temperature, seed=seed, ignore_eos=True)
+        output = generate_lossless(loaded, [prompt], config, spec)
+        counts[output.requests[0].token_ids[1]] += 1
+        looked_up += output.lossless.num_lookup_rounds
+        num_rejected += output.lossless.num_lookup_rounds == 1 and output.lossless.num_accepted_tokens == 0
+    # A run's round drafts from the lookup when its sampled first token occurs in the prompt; the others
+    # draft from the compressed cache. The marginal must hold over all of them.
+    assert looked_up > runs // 20, f"only {looked_up} runs drafted from the lookup"
+    assert num_rejected > runs // 50, f"only {num_rejected} looked-up drafts were rejected"
+    top = marginal.argsort(descending=True)[:8]
+    expected, observed = marginal[top] * runs, counts[top]
+    rest_expected, rest_observed = runs - expected.sum(), runs - observed.sum()
+    chi_square = float(
+        ((observed - expected) ** 2 / expected).sum() + (rest_observed - rest_expected) ** 2 / rest_expected
+    )
+    assert chi_square < 27.9, chi_square  # 0.999 quantile of chi-square with 8 degrees of freedom
