@@ -1,7 +1,8 @@
 """The engine every request runs through: `Request`s in, continuous batching, outputs out.
 
 `Engine` is the public API (`add_request`, `step`, `cancel`, `output`); `generate` and
-`generate_lossless` are its offline front doors for a batch of prompts.
+`generate_lossless` are its offline front doors for a batch of prompts; `teacher_forced_logits` feeds
+given tokens through a full and a compressed cache, for scoring.
 """
 
 from kvlab.engine.compare import ModeResult, compare_modes, first_divergence
@@ -10,6 +11,7 @@ from kvlab.engine.engine import EXACT, Engine
 from kvlab.engine.generate import generate, generate_lossless, run_requests
 from kvlab.engine.prefixes import PrefixFetcher, PrefixSources, SinglePrefixSource
 from kvlab.engine.request import Mode, PrefilledPrompt, Request
+from kvlab.engine.teacher import TeacherForcing, continuation_pieces, teacher_forced_logits
 
 __all__ = [
     "EXACT",
@@ -23,9 +25,12 @@ __all__ = [
     "PrefixSources",
     "Request",
     "SinglePrefixSource",
+    "TeacherForcing",
     "compare_modes",
+    "continuation_pieces",
     "first_divergence",
     "generate",
     "generate_lossless",
     "run_requests",
+    "teacher_forced_logits",
 ]

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.bench import teacher
 from kvlab.bench.likelihood import kl_divergence, perplexity
-from kvlab.bench.teacher import TeacherForcing, continuation_pieces, measure_likelihood, teacher_forced_logits
+from kvlab.bench.teacher import measure_likelihood
 from kvlab.compress import Compressor, compressors
-from kvlab.engine import generate
+from kvlab.engine import TeacherForcing, continuation_pieces, generate, teacher, teacher_forced_logits
 from kvlab.generation import GenerationConfig
 from kvlab.models import LoadedModel
 from tests.helpers import TINY_VOCAB, plain_attention, tiny_llama
