@@ -15,7 +15,8 @@ prompt: the embedded model's document, `--prefix-tokens` long, greedy. Rows:
   kvlab redis:// exact      ... over a loopback redis-server the benchmark starts
   kvlab redis:// adaptive   ... exact, int8 and int4 stored, kvlab's per-chunk planner picks
   decode: vllm plain / ngram / draft_model (the same SmolLM2 drafting) / kvlab proposer (compressed
-  cache drafting, `--drafter`): tokens/s after the first token, and vLLM's acceptance counters
+  cache drafting, `--drafter`): tokens/s after the first token, measured within the request itself
+  (vLLM's own first- and last-token timestamps of that request), and vLLM's acceptance counters
 `ttft_s` is the wall time of a one-token request; `identical` compares the `--new-tokens` greedy tokens
 with the cold engine's; `bytes_per_token` is what the connector stored divided by the tokens it
 covers. The kvlab proposer row adds where its time goes (its own prefill, catch-up, drafting).
@@ -54,13 +55,24 @@ def engine(args: argparse.Namespace, **options: Any) -> Any:
 
 
 def run(llm: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
+    tokens, total_s, _ = run_timed(llm, prompt, max_tokens)
+    return tokens, total_s
+
+
+def run_timed(llm: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float, float | None]:
+    """Greedy tokens, the request's wall time, and its decode time: from its own first token to its last,
+    as vLLM's engine stamped them (None when the engine kept no request metrics)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     started = time.perf_counter()
     output = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-    return list(output.outputs[0].token_ids), time.perf_counter() - started
+    total_s = time.perf_counter() - started
+    metrics = getattr(output, "metrics", None)
+    first, last = getattr(metrics, "first_token_ts", 0.0), getattr(metrics, "last_token_ts", 0.0)
+    decode_s = last - first if first and last > first else None
+    return list(output.outputs[0].token_ids), total_s, decode_s
 
 
 def warm_up(llm: Any) -> None:
@@ -132,10 +144,15 @@ def decode_child(args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
     before = _counters(llm)
     if proposer is not None:
         proposer.stats = type(proposer.stats)()  # count the measured request only
-    tokens, total_s = run(llm, prompt, args.new_tokens)
+    tokens, total_s, decode_s = run_timed(llm, prompt, args.new_tokens)
     after = _counters(llm)
-    result: dict[str, Any] = {"ttft_s": ttft_s, "tokens": tokens,
-                              "decode_tokens_per_s": (len(tokens) - 1) / max(total_s - ttft_s, 1e-9)}
+    if decode_s is None:
+        raise RuntimeError("vLLM kept no first/last token times for the request (run with disable_log_stats=False)")
+    # Decode time within the measured request itself, first token to last: never its total minus a TTFT
+    # taken in another request (a faster second prefill would shrink the decode time).
+    result: dict[str, Any] = {"ttft_s": ttft_s, "tokens": tokens, "decode_s": decode_s,
+                              "request_ttft_s": total_s - decode_s,
+                              "decode_tokens_per_s": (len(tokens) - 1) / decode_s}
     drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
     drafted = after.get("num_draft_tokens", 0) - before.get("num_draft_tokens", 0)
     accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
