@@ -34,6 +34,7 @@ from kvlab.engine import Engine, PrefilledPrompt, Request
 from kvlab.generation import GenerationConfig, GenerationOutput, reference_decode
 from kvlab.generation.prefill import PrefillCaches, prefill
 from kvlab.lossless import LosslessConfig, LosslessOutput
+from kvlab.lossless.prompt_lookup import split_drafter_name
 from kvlab.models import DEFAULT_MODEL, LoadedModel, load_model
 from kvlab.models.draft_weights import draft_model
 
@@ -43,6 +44,7 @@ SETTINGS: list[tuple[str, str, str | None, dict[str, object], int | str, str]] =
     ("lossy snapkv-0.9", "lossy", "snapkv", {"compression_ratio": 0.9}, 0, "same"),
     ("lossy kivi-2", "lossy", "kivi", {"bits": 2}, 0, "same"),
     ("lossless snapkv-0.9 k=auto", "lossless", "snapkv", {"compression_ratio": 0.9}, "auto", "same"),
+    ("lossless ngram+snapkv-0.9 k=auto", "lossless", "ngram+snapkv", {"compression_ratio": 0.9}, "auto", "same"),
     ("lossless snapkv-0.9 k=8", "lossless", "snapkv", {"compression_ratio": 0.9}, 8, "same"),
     ("lossless snapkv-0.9 k=32", "lossless", "snapkv", {"compression_ratio": 0.9}, 32, "same"),
     ("lossless kivi-4 k=32", "lossless", "kivi", {"bits": 4}, 32, "same"),
@@ -81,7 +83,7 @@ def attended_bytes(cache: KVCache) -> int:
 
 def prefill_all(loaded: LoadedModel, prompts: list[list[int]], name: str, params: dict[str, object]) -> Prefilled:
     capacity = max(len(p) for p in prompts) + 512 + MAX_NUM_DRAFT_TOKENS + 2
-    drafter = create_compressor(name, **params)
+    drafter = create_compressor(split_drafter_name(name)[1], **params)
     result = []
     for prompt in prompts:
         full, draft, logits = prefill(loaded, [prompt], PrefillCaches(capacity, drafter=drafter))
@@ -96,9 +98,9 @@ def run_setting(
     _, mode, name, params, num_draft_tokens, draft_weights = setting
     if mode == "lossless":
         assert name is not None
-        lossless = LosslessConfig(
-            create_compressor(name, **params), num_draft_tokens, MAX_NUM_DRAFT_TOKENS, draft_weights=draft_weights
-        )
+        lookup, compressor = split_drafter_name(name)
+        lossless = LosslessConfig(create_compressor(compressor, **params), num_draft_tokens, MAX_NUM_DRAFT_TOKENS,
+                                  draft_weights=draft_weights, prompt_lookup=lookup)
         requests = [Request(prompt, config, lossless=lossless) for prompt in prompts]
         engine = Engine(loaded)
         ids = [engine.add_request(request, PrefilledPrompt(full.clone(), draft.clone(), logits))
