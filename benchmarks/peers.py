@@ -25,6 +25,7 @@ Timings are only comparable within one run, alone on a quiet machine.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import subprocess
 import sys
@@ -120,10 +121,15 @@ def hf_row(loaded: LoadedModel, prompt: list[int], row: str, new_tokens: int) ->
         options["prompt_lookup_num_tokens"] = 10
     elif row == "hf assisted":
         options["assistant_model"] = model
+    # End-of-sequence ignored as kvlab's and vLLM's ignore_eos do (generated, not a stop): with no end
+    # token (None would fall back to the model's) `generate` runs to the length; `min_new_tokens` would
+    # instead keep it from being chosen.
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id, config.pad_token_id = -1, loaded.tokenizer.pad_token_id or 0  # no token is -1
     clock = FirstTokenClock()
     started = Stopwatch(loaded.device)
     with torch.inference_mode():
-        output = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        output = model.generate(torch.tensor([prompt]), generation_config=config, max_new_tokens=new_tokens,
                                 do_sample=False, streamer=clock, **options)
     tokens = output[0, len(prompt):].tolist()
     assert clock.first_s is not None and clock.last_s is not None
