@@ -82,6 +82,7 @@ def suppress_stop_tokens(
     if not num_rows or not stop_token_ids:
         return logits
     suppressed = logits.clone()
-    ids = torch.tensor(stop_token_ids, dtype=torch.long, device=logits.device)
+    # An id past the vocabulary is never chosen: nothing to suppress.
+    ids = torch.tensor([t for t in stop_token_ids if t < logits.shape[-1]], dtype=torch.long, device=logits.device)
     suppressed[:num_rows, ids] = float("-inf")
     return suppressed

@@ -62,6 +62,9 @@ def resolve(body: Body, loaded: LoadedModel, serve: ServeConfig, default_lossles
     context = loaded.architecture.max_context
     limit = min(serve.max_prompt_tokens or context, context - 1)
     check_prompt_chars(body, limit)
+    vocab = len(loaded.tokenizer)
+    if any(not 0 <= token < vocab for token in body.stop_token_ids or ()):
+        raise ConfigError(f"stop_token_ids must be in 0..{vocab - 1}")
     prompts = prompt_ids(body, loaded)
     for prompt in prompts:
         if len(prompt) > limit:
@@ -226,7 +229,11 @@ def tokenize(body: TokenizeRequest, loaded: LoadedModel, limit: int) -> list[int
 
 
 def detokenize(body: DetokenizeRequest, loaded: LoadedModel) -> str:
-    """`/detokenize`: the text of token ids (special tokens spelled out, as vLLM's server does)."""
+    """`/detokenize`: the text of token ids (special tokens spelled out, as vLLM's server does), at most the
+    model's context of them."""
+    context = loaded.architecture.max_context
+    if len(body.tokens) > context:
+        raise ConfigError(f"at most {context} token ids (the model's context) per request, got {len(body.tokens)}")
     vocab = len(loaded.tokenizer)
     if any(not 0 <= token < vocab for token in body.tokens):
         raise ConfigError(f"token ids must be in 0..{vocab - 1}")

@@ -51,6 +51,7 @@ def test_stop_tokens_are_suppressed_only_in_rows_before_min_tokens() -> None:
     assert torch.isinf(suppressed[:2, [1, 3]]).all() and not torch.isinf(suppressed[2]).any()
     assert not torch.isinf(suppressed[:, [0, 2, 4]]).any()
     assert suppress_stop_tokens(logits, 4, config, (1, 3)) is logits
+    assert not torch.isinf(suppress_stop_tokens(logits, 0, config, (10**9,))).any()  # past the vocabulary
 
 
 def test_stop_checker_waits_for_min_tokens_and_stops_on_stop_token_ids() -> None:

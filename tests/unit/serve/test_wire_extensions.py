@@ -158,6 +158,13 @@ def test_tokenize_and_detokenize_round_trip(client: TestClient, loaded: LoadedMo
     assert "token ids must be in" in refused(client, "/detokenize", tokens=[10**6])
 
 
+def test_token_ids_past_the_vocabulary_or_the_context_are_refused(client: TestClient, loaded: LoadedModel) -> None:
+    # A stop token past the vocabulary would index past the logits when min_tokens suppresses it.
+    assert "stop_token_ids must be in" in refused(client, prompt=PROMPT, min_tokens=2, stop_token_ids=[10**9])
+    too_many = [3] * (loaded.architecture.max_context + 1)
+    assert "the model's context" in refused(client, "/detokenize", tokens=too_many)
+
+
 def test_metric_names_can_be_vllms(loaded: LoadedModel) -> None:
     with make_client(loaded, metrics_prefix="vllm") as client:
         text = client.get("/metrics").text
