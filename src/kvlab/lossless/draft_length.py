@@ -62,13 +62,15 @@ class DraftLengthController:
     Stepping aside: when even the best k is expected to emit fewer tokens per second than a plain
     step (one token per `StepCosts.plain_step_s`), it drafts nothing: the round is a plain step on the
     full cache, whose exact KV still reaches the draft cache. Every `probe_interval` rounds aside it
-    drafts `initial_num_draft_tokens` again to measure acceptance anew; a probe that does not pay
+    drafts `probe_num_draft_tokens` again to measure acceptance anew (few: a probe that fails costs its
+    drafts and a longer verify); a probe that does not pay
     doubles the interval (up to `max_probe_interval`), one that does returns the sequence to drafting.
 
     Attributes:
         costs: Measured per-segment costs, shared by the sequences of a run.
         fixed: A fixed draft length, or None to adapt.
-        initial_num_draft_tokens: Draft length of the first round, and of probes, when adapting.
+        initial_num_draft_tokens: Draft length of the first round when adapting.
+        probe_num_draft_tokens: Draft length of a probe after rounds aside.
         max_num_draft_tokens: Upper bound of adaptive lengths.
         decay: Weight of history in the acceptance averages (0..1).
         min_probe_interval, max_probe_interval: Rounds aside between probes, at first and at most.
@@ -78,6 +80,7 @@ class DraftLengthController:
     costs: StepCosts
     fixed: int | None = None
     initial_num_draft_tokens: int = 8
+    probe_num_draft_tokens: int = 2
     max_num_draft_tokens: int = 64
     decay: float = 0.7
     min_probe_interval: int = 8
@@ -102,7 +105,7 @@ class DraftLengthController:
         if self._aside_since_probe >= self.probe_interval:
             self._aside_since_probe = 0
             self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
-            return self.initial_num_draft_tokens
+            return self.probe_num_draft_tokens
         self._aside_since_probe += 1
         self.num_stood_aside += 1
         return 0

@@ -27,13 +27,14 @@ def test_costs_tell_plain_steps_from_verifies() -> None:
 
 def test_a_sequence_stands_aside_probes_and_returns_when_acceptance_recovers() -> None:
     costs = StepCosts(draft_s=0.02, verify_s=0.06, plain_s=0.05)
-    controller = DraftLengthController(costs, initial_num_draft_tokens=4, min_probe_interval=3, max_probe_interval=6)
+    controller = DraftLengthController(costs, initial_num_draft_tokens=4, probe_num_draft_tokens=2,
+                                       min_probe_interval=3, max_probe_interval=6)
     for _ in range(4):
         controller.update(4, 0)  # nothing accepted: a round costs more than the one token it emits
     lengths = [controller.next_num_draft_tokens() for _ in range(4)]
-    assert lengths == [0, 0, 0, 4] and controller.num_stood_aside == 3  # a probe after three rounds aside
-    controller.update(4, 0)  # the probe did not pay: the next one comes after twice as many rounds
-    assert [controller.next_num_draft_tokens() for _ in range(7)] == [0] * 6 + [4]
+    assert lengths == [0, 0, 0, 2] and controller.num_stood_aside == 3  # a short probe after three rounds aside
+    controller.update(2, 0)  # the probe did not pay: the next one comes after twice as many rounds
+    assert [controller.next_num_draft_tokens() for _ in range(7)] == [0] * 6 + [2]
     for _ in range(4):
         controller.update(4, 4)  # acceptance recovers
     assert controller.next_num_draft_tokens() > 0 and controller.probe_interval == 0
