@@ -11,6 +11,7 @@ from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, reference_generate
 from kvlab.lossless import LosslessConfig, greedy_accept, rejection_sample
 from kvlab.lossless.draft_length import DraftLengthController, StepCosts
+from kvlab.models import LoadedModel
 from tests.helpers import tiny_llama
 
 # A lossy setting of every registered drafter (the matrix must cover the registry).
@@ -195,12 +196,7 @@ def test_sampled_lossless_decoding_follows_the_full_models_distribution() -> Non
     loaded = tiny_llama(num_kv_heads=2)
     prompt = _prompts(20)[0]
     temperature = 0.7
-    with torch.inference_mode():
-        logits = loaded.model(torch.tensor([prompt])).logits[0, -1]
-        first = torch.softmax(logits / temperature, dim=-1)
-        continued = torch.tensor([prompt + [token] for token in range(first.shape[0])])
-        second = torch.softmax(loaded.model(continued).logits[:, -1] / temperature, dim=-1)
-    marginal = (first[:, None] * second).sum(dim=0)
+    marginal = second_token_marginal(loaded, prompt, temperature)
     drafter = create_compressor("streamingllm", budget=6)  # a poor drafter: many rejections
     runs = 1500
     counts = torch.zeros_like(marginal)
@@ -215,11 +211,25 @@ def test_sampled_lossless_decoding_follows_the_full_models_distribution() -> Non
     # The tiny model's next-token distribution barely depends on the evicted context, so most drafts are
     # kept: the rejections (and residual draws) still number in the dozens.
     assert num_rejected > runs // 50, "the drafter must be poor enough that rejections are tested"
+    statistic = chi_square(counts, marginal, runs)
+    assert statistic < 27.9, statistic  # 0.999 quantile of chi-square with 8 degrees of freedom
+
+
+def second_token_marginal(loaded: LoadedModel, prompt: list[int], temperature: float) -> torch.Tensor:
+    """[V] the full model's distribution of the second generated token, sum_t1 p(t1) p(t2 | t1), exactly
+    (one batched forward over every first token)."""
+    with torch.inference_mode():
+        logits = loaded.model(torch.tensor([prompt])).logits[0, -1]
+        first = torch.softmax(logits / temperature, dim=-1)
+        continued = torch.tensor([prompt + [token] for token in range(first.shape[0])])
+        second = torch.softmax(loaded.model(continued).logits[:, -1] / temperature, dim=-1)
+    return (first[:, None] * second).sum(dim=0)
+
+
+def chi_square(counts: torch.Tensor, marginal: torch.Tensor, runs: int) -> float:
+    """Pearson's statistic of `runs` draws' `counts` against `marginal`, over its 8 most likely tokens and
+    the rest pooled (8 degrees of freedom)."""
     top = marginal.argsort(descending=True)[:8]
-    expected = marginal[top] * runs
-    observed = counts[top]
+    expected, observed = marginal[top] * runs, counts[top]
     rest_expected, rest_observed = runs - expected.sum(), runs - observed.sum()
-    chi_square = float(
-        ((observed - expected) ** 2 / expected).sum() + (rest_observed - rest_expected) ** 2 / rest_expected
-    )
-    assert chi_square < 27.9, chi_square  # 0.999 quantile of chi-square with 8 degrees of freedom
+    return float(((observed - expected) ** 2 / expected).sum() + (rest_observed - rest_expected) ** 2 / rest_expected)

@@ -13,7 +13,7 @@ from kvlab.generation import GenerationConfig, reference_generate
 from kvlab.lossless import LosslessConfig
 from kvlab.lossless.prompt_lookup import PromptLookup, find_continuation, split_drafter_name
 from tests.helpers import tiny_llama
-from tests.unit.lossless.test_lossless import DRAFTERS, _prompts
+from tests.unit.lossless.test_lossless import DRAFTERS, _prompts, chi_square, second_token_marginal
 
 LOOKUP = PromptLookup()
 
@@ -82,12 +82,7 @@ def test_sampled_decoding_with_prompt_lookup_follows_the_full_models_distributio
     loaded = tiny_llama(num_kv_heads=2)
     prompt = repetitive_prompt(24)
     temperature = 0.7
-    with torch.inference_mode():
-        logits = loaded.model(torch.tensor([prompt])).logits[0, -1]
-        first = torch.softmax(logits / temperature, dim=-1)
-        continued = torch.tensor([prompt + [token] for token in range(first.shape[0])])
-        second = torch.softmax(loaded.model(continued).logits[:, -1] / temperature, dim=-1)
-    marginal = (first[:, None] * second).sum(dim=0)
+    marginal = second_token_marginal(loaded, prompt, temperature)
     spec = LosslessConfig(create_compressor("streamingllm", budget=6), 2, prompt_lookup=PromptLookup(min_ngram=1))
     runs, counts, looked_up, num_rejected = 1500, torch.zeros_like(marginal), 0, 0
     for seed in range(runs):
@@ -101,10 +96,5 @@ def test_sampled_decoding_with_prompt_lookup_follows_the_full_models_distributio
     # draft from the compressed cache. The marginal must hold over all of them.
     assert looked_up > runs // 20, f"only {looked_up} runs drafted from the lookup"
     assert num_rejected > runs // 50, f"only {num_rejected} looked-up drafts were rejected"
-    top = marginal.argsort(descending=True)[:8]
-    expected, observed = marginal[top] * runs, counts[top]
-    rest_expected, rest_observed = runs - expected.sum(), runs - observed.sum()
-    chi_square = float(
-        ((observed - expected) ** 2 / expected).sum() + (rest_observed - rest_expected) ** 2 / rest_expected
-    )
-    assert chi_square < 27.9, chi_square  # 0.999 quantile of chi-square with 8 degrees of freedom
+    statistic = chi_square(counts, marginal, runs)
+    assert statistic < 27.9, statistic  # 0.999 quantile of chi-square with 8 degrees of freedom
