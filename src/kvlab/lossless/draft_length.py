@@ -115,8 +115,8 @@ class DraftLengthController:
         or standing aside, whichever pays (0 until its acceptance and the costs are measured)."""
         if self.accepted + self.rejected == 0 or self.costs.verify_s == 0 or self.costs.draft_s == 0:
             return 0.0
-        plain_rate = 1.0 / self.costs.plain_step_s
-        return plain_rate if self.fixed is None and self._best_length()[1] < plain_rate else self._best_length()[1]
+        plain_rate, best_rate = 1.0 / self.costs.plain_step_s, self._best_length()[1]
+        return plain_rate if self.fixed is None and best_rate < plain_rate else best_rate
 
     def _best_length(self) -> tuple[int, float]:
         """The draft length with the most expected tokens per second, and that rate."""
