@@ -37,6 +37,7 @@ from kvlab.lossless import LosslessConfig, LosslessOutput
 from kvlab.lossless.prompt_lookup import split_drafter_name
 from kvlab.models import DEFAULT_MODEL, LoadedModel, load_model
 from kvlab.models.draft_weights import draft_model
+from kvlab.models.packed_linear import PackedLinear
 
 # (label, mode, compressor name, compressor params, num_draft_tokens, draft weights)
 SETTINGS: list[tuple[str, str, str | None, dict[str, object], int | str, str]] = [
@@ -62,7 +63,9 @@ def linear_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights a forward reads: every linear layer's (int8 packed weights count 1 byte)."""
     total = 0
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, PackedLinear):
+            total += module.in_features * module.out_features * module.packed_weight.element_size()
+        elif isinstance(module, torch.nn.Linear):
             total += module.weight.numel() * module.weight.element_size()
         elif hasattr(module, "weight") and callable(module.weight) and "Linear" in type(module).__name__:
             total += module.weight().numel()  # dynamic int8 linear: packed int8 weights

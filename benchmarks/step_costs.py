@@ -2,11 +2,12 @@
 
 Usage: .venv/bin/python benchmarks/step_costs.py [--context 8064] [--num-draft-tokens 8] [--repeats 9] [--json PATH]
 
-Prints the median time of: a plain decode step on the full cache; a draft step on a SnapKV-10%
-cache (fp32, bf16 and int8 dynamic-quantized weights) as the lossless engine runs it (a packed
-forward); a verify forward over `--num-draft-tokens` + 1 tokens on the full cache, as the engine runs
-it (unmasked GQA-folded prefix + causal block) and through one masked attention call (the
-reference); the time attention and the linear layers take inside a plain step (torch profiler); and,
+Prints the median time of: a plain decode step on the full cache (also through the engine's packed
+forward, and with transformers' own `F.linear` layers instead of kvlab's oneDNN-packed ones); a draft
+step on a SnapKV-10% cache (fp32, bf16 and int8 dynamic-quantized weights) as the lossless engine
+runs it (a packed forward); a verify forward over `--num-draft-tokens` + 1 tokens on the full cache, as the engine runs
+it (unmasked GQA-folded prefix + causal block), with `F.linear` layers, and through one masked
+attention call (the reference); the time attention and the linear layers take inside a plain step (torch profiler); and,
 per forward, the bytes it reads (linear weights + the KV attention reads) and the bandwidth that
 implies. The forwards alternate within each repeat. With perfect acceptance, lossless decoding emits
 k + 1 tokens per k draft steps and one verify, so (k + 1) * plain / (k * draft + verify) is its
@@ -71,6 +72,8 @@ def main() -> None:
     args = parser.parse_args()
 
     loaded = load_model()
+    # The same weights through transformers' own `F.linear` layers, to show what packing buys.
+    unpacked = load_model(packed_weights=False).model
     document = document_token_ids(loaded.tokenizer, args.context + args.num_draft_tokens + 1)
     prompt, following = document[: args.context], document[args.context :]
     capacity = args.context + args.num_draft_tokens + 2
@@ -83,11 +86,14 @@ def main() -> None:
     # Forwards alternate within each repeat, so drift on a shared machine hits every one alike.
     forwards = {
         "plain": lambda: step_ms(model, loaded, full, following[:1], 1),
+        "plain_engine": lambda: packed_ms(model, loaded, full, following[:1], 1),
+        "plain_unpacked": lambda: step_ms(unpacked, loaded, full, following[:1], 1),
         "same": lambda: packed_ms(model, loaded, draft, following[:1], 1),
         "bf16": lambda: packed_ms(draft_model(model, "bf16"), loaded, draft, following[:1], 1),
         "int8": lambda: packed_ms(draft_model(model, "int8"), loaded, draft, following[:1], 1),
         "verify": lambda: packed_ms(model, loaded, full, following[: k + 1], 1),
         "verify_masked": lambda: step_ms(model, loaded, full, following[: k + 1], 1),
+        "verify_unpacked": lambda: packed_ms(unpacked, loaded, full, following[: k + 1], 1),
     }
     samples: dict[str, list[float]] = {name: [] for name in forwards}
     for _ in range(args.repeats):
@@ -101,12 +107,14 @@ def main() -> None:
         step_ms(model, loaded, full, following[:1], 2)
     self_ms = {event.key: event.self_cpu_time_total / 1e3 / 3 for event in profiler.key_averages()}
     attention = sum(ms for key, ms in self_ms.items() if "scaled_dot_product" in key)
-    linear = sum(ms for key, ms in self_ms.items() if key in ("aten::mm", "aten::addmm"))
+    linear = sum(ms for key, ms in self_ms.items() if key in ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"))
 
     weights = linear_weight_bytes(model)
     full_kv, draft_kv = attended_bytes(full), attended_bytes(draft)
     rows = [
         ("plain decode step (full cache)", plain, weights + full_kv),
+        ("plain decode step, engine path (packed forward)", median["plain_engine"], weights + full_kv),
+        ("plain decode step, transformers' F.linear layers", median["plain_unpacked"], weights + full_kv),
         ("draft step, SnapKV-10% cache, fp32 weights", drafts["same"], weights + draft_kv),
         (
             "draft step, SnapKV-10% cache, bf16 weights",
@@ -120,6 +128,7 @@ def main() -> None:
         ),
         (f"verify of {k} + 1 tokens, engine path (split attention)", verify, weights + full_kv),
         (f"verify of {k} + 1 tokens, one masked attention call", verify_masked, weights + full_kv),
+        (f"verify of {k} + 1 tokens, engine path, F.linear layers", median["verify_unpacked"], weights + full_kv),
     ]
     print(
         f"embedded SmolLM2-135M, fp32, context {args.context}, {torch.get_num_threads()} threads, "

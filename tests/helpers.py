@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from kvlab.cache import KVCache, forward
 from kvlab.compress import Compressor
 from kvlab.models import LoadedModel, wrap_model
+from kvlab.models.packed_linear import PackedLinear, dense_copy
 
 TINY_VOCAB = 96
 
@@ -34,8 +36,9 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def tiny_llama(num_kv_heads: int = 2, seed: int = 0, num_layers: int = 3) -> LoadedModel:
-    """A randomly initialised Llama (4 query heads; GQA when num_kv_heads < 4)."""
+def tiny_llama(num_kv_heads: int = 2, seed: int = 0, num_layers: int = 3, packed_weights: bool = True) -> LoadedModel:
+    """A randomly initialised Llama (4 query heads; GQA when num_kv_heads < 4), with oneDNN-packed
+    linear layers like `load_model`'s unless `packed_weights` is False."""
     config = LlamaConfig(
         vocab_size=TINY_VOCAB,
         hidden_size=64,
@@ -50,15 +53,28 @@ def tiny_llama(num_kv_heads: int = 2, seed: int = 0, num_layers: int = 3) -> Loa
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    return wrap_model(model, tiny_tokenizer(), name=f"tiny-llama-kv{num_kv_heads}")
+    return wrap_model(model, tiny_tokenizer(), name=f"tiny-llama-kv{num_kv_heads}", packed_weights=packed_weights)
+
+
+_TRANSFORMERS_LAYERS: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
+
+
+def transformers_layers(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` itself, or, when kvlab packed its linear layers, a copy with transformers' own
+    `torch.nn.Linear` layers (made once per model): the reference kvlab's fast paths are held to."""
+    if not any(isinstance(module, PackedLinear) for module in model.modules()):
+        return model
+    if model not in _TRANSFORMERS_LAYERS:
+        _TRANSFORMERS_LAYERS[model] = dense_copy(model)
+    return _TRANSFORMERS_LAYERS[model]
 
 
 class plain_attention:
     """Run a kvlab-prepared model through transformers' own attention (the reference path): SDPA, or
     the eager path for models that soft-cap attention logits, which SDPA cannot."""
 
-    def __init__(self, loaded: LoadedModel) -> None:
-        self.config = loaded.model.config
+    def __init__(self, loaded: LoadedModel | torch.nn.Module) -> None:
+        self.config = loaded.model.config if isinstance(loaded, LoadedModel) else loaded.config
         self.implementation = "eager" if getattr(self.config, "attn_logit_softcapping", None) else "sdpa"
 
     def __enter__(self) -> None:
@@ -70,9 +86,11 @@ class plain_attention:
 
 
 def transformers_greedy(loaded: LoadedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """New token ids of transformers' `generate(do_sample=False)`, the oracle for greedy decoding."""
-    with plain_attention(loaded), torch.inference_mode():
-        output = loaded.model.generate(
+    """New token ids of transformers' `generate(do_sample=False)` with its own layers (unpacked), the
+    oracle for greedy decoding."""
+    model = transformers_layers(loaded.model)
+    with plain_attention(model), torch.inference_mode():
+        output = model.generate(
             torch.tensor([prompt], device=loaded.device),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=loaded.device),
             do_sample=False,

@@ -37,6 +37,12 @@ class GenerateCommand(Command):
         )
         parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and KV dtype")
         parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
+        parser.add_argument(
+            "--unpacked-weights",
+            action="store_true",
+            help="run linear layers through transformers' own F.linear (logits bit-identical to transformers') "
+            "instead of oneDNN-packed weights",
+        )
         parser.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
         add_config_flags(parser, GenerationConfig, GENERATION_FIELDS, flags={"stop_strings": ["--stop"]})
         parser.add_argument(
@@ -87,7 +93,7 @@ class GenerateCommand(Command):
         compressor = _compressor(args)
         lossless = _lossless_config(args)
         prefix_config = _prefix_config(args)
-        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device, packed_weights=not args.unpacked_weights)
         prefix = None if prefix_config is None else PrefixCache.for_model(loaded, args.prefix_store, prefix_config)
         prompt_ids = loaded.encode_prompt(text, raw=args.raw)
         # Text streams to stdout as it is generated (not with --json); an interrupt keeps what was shown.

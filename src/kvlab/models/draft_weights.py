@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvlab.errors import ConfigError
+from kvlab.models.packed_linear import dense_copy
 
 DraftWeights = Literal["same", "bf16", "int8"]
 DRAFT_WEIGHTS: tuple[DraftWeights, ...] = ("same", "bf16", "int8")
@@ -50,7 +51,7 @@ def _bf16_copy(model: PreTrainedModel) -> PreTrainedModel:
     if next(model.parameters()).dtype == torch.bfloat16:
         return model
     duplicate = copy.deepcopy(model)
-    duplicate.bfloat16()
+    duplicate.bfloat16()  # packed layers pack their bf16 weights again (`PackedLinear._apply`)
     return duplicate
 
 
@@ -64,6 +65,6 @@ def _int8_copy(model: PreTrainedModel) -> PreTrainedModel:
         # Eager dynamic quantization is deprecated upstream but still ships, with fast fbgemm kernels.
         warnings.simplefilter("ignore")
         quantized: PreTrainedModel = quantization.quantize_dynamic(
-            copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8
+            dense_copy(model), {torch.nn.Linear}, dtype=torch.qint8
         )
     return quantized

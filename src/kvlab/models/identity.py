@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from kvlab.models.packed_linear import packed_weights
 from kvlab.paths import cache_dir
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -57,7 +58,13 @@ def identity_cache_dir() -> Path:
 
 
 def _named_tensors(model: PreTrainedModel) -> list[tuple[str, torch.Tensor]]:
-    named = [*model.named_parameters(), *(("buffer:" + name, buffer) for name, buffer in model.named_buffers())]
+    # Packed linear layers hold their weights outside `named_parameters`; they are hashed under the
+    # names an unpacked model gives them, so packing does not change a model's identity.
+    named = [
+        *model.named_parameters(),
+        *packed_weights(model),
+        *(("buffer:" + name, buffer) for name, buffer in model.named_buffers()),
+    ]
     return sorted(named, key=lambda item: item[0])
 
 
@@ -74,7 +81,8 @@ def _hash_tensors(layout: str, tensors: list[tuple[str, torch.Tensor]]) -> str:
         for _, tensor in tensors:
             if tensor.device.type == "meta":
                 continue  # no values to hash; the layout says it is on the meta device
-            flat = tensor.detach().reshape(-1).contiguous().cpu()
+            dense = tensor.to_dense() if tensor.is_mkldnn else tensor  # a packed linear weight
+            flat = dense.detach().reshape(-1).contiguous().cpu()
             digest.update(flat.view(torch.uint8).numpy().data)
     return digest.hexdigest()
 

@@ -38,6 +38,7 @@ from kvlab.errors import ConfigError, ModelNotFoundError
 from kvlab.models.architecture import ModelArchitecture
 from kvlab.models.attention_hook import install_attention
 from kvlab.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_gguf_path
+from kvlab.models.packed_linear import PackedLinear, pack_linear_layers
 from kvlab.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,11 @@ class LoadedModel:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    @property
+    def packed_weights(self) -> bool:
+        """Whether the linear layers run through oneDNN-packed weights (`kvlab.models.packed_linear`)."""
+        return any(isinstance(module, PackedLinear) for module in self.model.modules())
 
     @property
     def has_chat_template(self) -> bool:
@@ -109,7 +115,9 @@ class LoadedModel:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
 
-def load_model(name: str | None = None, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+def load_model(
+    name: str | None = None, dtype: str = "float32", device: str = "cpu", packed_weights: bool = True
+) -> LoadedModel:
     """Load a model by alias, GGUF file, local directory or locally cached hub id.
 
     Args:
@@ -120,6 +128,10 @@ def load_model(name: str | None = None, dtype: str = "float32", device: str = "c
             and matmul kernels may round partial sums differently between kvlab's call shapes and
             the reference's, so logits can differ in their last bits.
         device: A torch device string ("cpu", "cuda", "cuda:1").
+        packed_weights: On a CPU in float32 or bfloat16, run the linear layers through oneDNN with
+            weights packed once (`kvlab.models.packed_linear`): decode steps read them about 1.8x
+            faster. Greedy output stays transformers'; logits differ from its `F.linear` in their
+            last bits (relative 1e-6). False keeps transformers' own layers, bit-identical to it.
 
     Raises:
         ModelNotFoundError: Nothing by that name is available on this machine.
@@ -140,7 +152,9 @@ def load_model(name: str | None = None, dtype: str = "float32", device: str = "c
             tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         except OSError as error:
             raise ModelNotFoundError(_not_found_message(name)) from error
-    return wrap_model(model.to(device), tokenizer, name=name, source=str(gguf_file or directory))
+    return wrap_model(
+        model.to(device), tokenizer, name=name, source=str(gguf_file or directory), packed_weights=packed_weights
+    )
 
 
 def check_device(device: str) -> None:
@@ -168,15 +182,22 @@ def check_device(device: str) -> None:
 
 
 def wrap_model(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str = "custom", source: str = ""
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    name: str = "custom",
+    source: str = "",
+    packed_weights: bool = False,
 ) -> LoadedModel:
     """Prepare a model object you already hold for kvlab (eval mode, attention routed to kvlab).
 
     The model keeps working with plain transformers calls: kvlab only takes over attention in
-    forwards that pass a kvlab cache step.
+    forwards that pass a kvlab cache step. With `packed_weights` its linear layers are replaced, in
+    place, by oneDNN-packed ones where the device and dtype allow (see `load_model`).
     """
     model.eval()
     install_attention(model)
+    if packed_weights:
+        pack_linear_layers(model)
     return LoadedModel(
         name=name,
         source=source,

@@ -87,7 +87,9 @@ def default_lossless(config: ServeConfig) -> LosslessConfig:
 def run_server(config: ServeConfig, verbose: bool = False) -> int:
     """Serve until stopped; returns the exit code (0 after a graceful shutdown)."""
     lossless = default_lossless(config)
-    loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+    loaded = load_model(
+        config.model, dtype=config.dtype, device=config.device, packed_weights=not config.unpacked_weights
+    )
     servers: list[uvicorn.Server] = []
 
     def stop_serving() -> None:  # the engine thread failed: exit non-zero rather than hang every request
