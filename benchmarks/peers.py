@@ -121,11 +121,12 @@ def hf_row(loaded: LoadedModel, prompt: list[int], row: str, new_tokens: int) ->
         options["prompt_lookup_num_tokens"] = 10
     elif row == "hf assisted":
         options["assistant_model"] = model
-    # End-of-sequence ignored as kvlab's and vLLM's ignore_eos do (generated, not a stop): with no end
-    # token (None would fall back to the model's) `generate` runs to the length; `min_new_tokens` would
-    # instead keep it from being chosen.
+    # End-of-sequence ignored as kvlab's and vLLM's ignore_eos do (generated, not a stop): with an empty
+    # list of end tokens `generate` runs to the length. Not -1: transformers then changes the scores
+    # (its greedy tokens departed from kvlab's and vLLM's at the first token of the QA prompt), and
+    # `min_new_tokens` would keep the end token from being chosen.
     config = copy.deepcopy(model.generation_config)
-    config.eos_token_id, config.pad_token_id = -1, loaded.tokenizer.pad_token_id or 0  # no token is -1
+    config.eos_token_id, config.pad_token_id = [], loaded.tokenizer.pad_token_id or 0
     clock = FirstTokenClock()
     started = Stopwatch(loaded.device)
     with torch.inference_mode():
