@@ -7,6 +7,7 @@ Rows (SmolLM2, fp32, greedy, batch 1, `--new-tokens` generated with end-of-seque
   kvlab plain                      kvlab's engine, full KV
   kvlab lossless snapkv-0.9 auto   drafts from a SnapKV cache keeping 10% of the prompt, verifies with the full KV
   kvlab lossless ngram+snapkv-0.9  the same, composed with prompt lookup (`--drafter ngram+snapkv`)
+  ... int8                         the same, drafting with int8 dynamic-quantized weights (`--draft-weights int8`)
   hf plain                         transformers' `generate`
   hf prompt lookup                 `generate(prompt_lookup_num_tokens=10)`
   hf assisted                      `generate(assistant_model=<the same model>)`
@@ -45,7 +46,8 @@ from kvlab.lossless.prompt_lookup import PromptLookup
 from kvlab.models import LoadedModel, load_model
 from kvlab.timing import Stopwatch, timestamp_s
 
-KVLAB_ROWS = ["kvlab plain", "kvlab lossless snapkv-0.9 auto", "kvlab lossless ngram+snapkv-0.9"]
+KVLAB_ROWS = ["kvlab plain", "kvlab lossless snapkv-0.9 auto", "kvlab lossless ngram+snapkv-0.9",
+              "kvlab lossless ngram+snapkv-0.9 int8"]
 HF_ROWS = ["hf plain", "hf prompt lookup", "hf assisted"]
 VLLM_ROWS = ["vllm plain", "vllm ngram", "vllm draft_model"]
 PROMPTS = ["doc-4k", "doc-8k", "summary", "code", "qa"]
@@ -70,7 +72,8 @@ def kvlab_row(loaded: LoadedModel, prompt: list[int], row: str, new_tokens: int)
     lossless = None
     if row != "kvlab plain":
         lookup = PromptLookup() if "ngram+" in row else None
-        lossless = LosslessConfig(create_compressor("snapkv", compression_ratio=0.9), "auto", prompt_lookup=lookup)
+        lossless = LosslessConfig(create_compressor("snapkv", compression_ratio=0.9), "auto", prompt_lookup=lookup,
+                                  draft_weights="int8" if row.endswith(" int8") else "same")
     engine = Engine(loaded)
     request_id = engine.add_request(Request(prompt, config, lossless=lossless))
     while engine.has_work():
@@ -122,16 +125,18 @@ def hf_row(loaded: LoadedModel, prompt: list[int], row: str, new_tokens: int) ->
     elif row == "hf assisted":
         options["assistant_model"] = model
     # End-of-sequence ignored as kvlab's and vLLM's ignore_eos do (generated, not a stop): with an empty
-    # list of end tokens `generate` runs to the length. Not -1: transformers then changes the scores
-    # (its greedy tokens departed from kvlab's and vLLM's at the first token of the QA prompt), and
-    # `min_new_tokens` would keep the end token from being chosen.
+    # list of end tokens `generate` runs to the length (`min_new_tokens` would instead keep the end token
+    # from being chosen).
     config = copy.deepcopy(model.generation_config)
     config.eos_token_id, config.pad_token_id = [], loaded.tokenizer.pad_token_id or 0
     clock = FirstTokenClock()
     started = Stopwatch(loaded.device)
     with torch.inference_mode():
-        output = model.generate(torch.tensor([prompt]), generation_config=config, max_new_tokens=new_tokens,
-                                do_sample=False, streamer=clock, **options)
+        # The mask is explicit: without one `generate` masks every prompt token equal to the pad token,
+        # and SmolLM2's pad is <|im_end|>, which every chat-template prompt contains.
+        input_ids = torch.tensor([prompt])
+        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,
+                                max_new_tokens=new_tokens, do_sample=False, streamer=clock, **options)
     tokens = output[0, len(prompt):].tolist()
     assert clock.first_s is not None and clock.last_s is not None
     decode_s = clock.last_s - clock.first_s

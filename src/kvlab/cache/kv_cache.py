@@ -109,6 +109,8 @@ class KVCache:
     def drop_last(self, counts: int | list[int]) -> None:
         """Roll back the counts[b] most recent tokens of each row."""
         per_row = [counts] * self.batch_size if isinstance(counts, int) else counts
+        if not any(per_row):
+            return  # a round that rejected nothing (or drafted nothing) rolls nothing back
         self.crop([length - count for length, count in zip(self.seq_lengths, per_row, strict=True)])
 
     @contextlib.contextmanager

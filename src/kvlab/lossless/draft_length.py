@@ -65,6 +65,10 @@ class DraftLengthController:
     drafts `probe_num_draft_tokens` again to measure acceptance anew (few: a probe that fails costs its
     drafts and a longer verify); a probe that does not pay
     doubles the interval (up to `max_probe_interval`), one that does returns the sequence to drafting.
+    A probe is drafted only where drafting could pay at all: where a round of
+    `initial_num_draft_tokens` drafts, every one accepted, would beat plain steps by `min_probe_gain`.
+    On a short prompt a draft forward costs about what a plain step does (the weights dominate), so no
+    acceptance could pay and a probe would only cost.
 
     Attributes:
         costs: Measured per-segment costs, shared by the sequences of a run.
@@ -74,6 +78,8 @@ class DraftLengthController:
         max_num_draft_tokens: Upper bound of adaptive lengths.
         decay: Weight of history in the acceptance averages (0..1).
         min_probe_interval, max_probe_interval: Rounds aside between probes, at first and at most.
+        min_probe_gain: How much faster than plain steps a round with every draft accepted must be for a
+            probe to be worth drafting.
         num_stood_aside: Rounds it chose to draft nothing.
     """
 
@@ -85,6 +91,7 @@ class DraftLengthController:
     decay: float = 0.7
     min_probe_interval: int = 8
     max_probe_interval: int = 64
+    min_probe_gain: float = 1.1
     accepted: float = 0.0
     rejected: float = 0.0
     num_stood_aside: int = 0
@@ -94,18 +101,26 @@ class DraftLengthController:
     def next_num_draft_tokens(self) -> int:
         if self.fixed is not None:
             return self.fixed
-        if self.accepted + self.rejected == 0 or self.costs.verify_s == 0 or self.costs.draft_s == 0:
-            return self.initial_num_draft_tokens
+        if self.costs.verify_s == 0 or self.costs.draft_s == 0:
+            return self.initial_num_draft_tokens  # nothing measured yet: this round measures
+        if self.accepted + self.rejected == 0:
+            # A new sequence in a run whose costs are known: it drafts unless no acceptance could pay.
+            return self.initial_num_draft_tokens if self._drafting_could_pay() else self._stand_aside()
         best_length, best_rate = self._best_length()
         if best_rate * self.costs.plain_step_s >= 1.0:
             self.probe_interval = 0
             return best_length
+        return self._stand_aside()
+
+    def _stand_aside(self) -> int:
+        """0 (a plain round), or a probe's draft length when one is due and drafting could pay."""
         if not self.probe_interval:  # it stops paying now: probe again after the shortest interval
             self.probe_interval, self._aside_since_probe = self.min_probe_interval, 0
         if self._aside_since_probe >= self.probe_interval:
             self._aside_since_probe = 0
             self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
-            return self.probe_num_draft_tokens
+            if self._drafting_could_pay():
+                return self.probe_num_draft_tokens
         self._aside_since_probe += 1
         self.num_stood_aside += 1
         return 0
@@ -117,6 +132,13 @@ class DraftLengthController:
             return 0.0
         plain_rate, best_rate = 1.0 / self.costs.plain_step_s, self._best_length()[1]
         return plain_rate if self.fixed is None and best_rate < plain_rate else best_rate
+
+    def _drafting_could_pay(self) -> bool:
+        """Whether a round of `initial_num_draft_tokens` drafts, all accepted, beats plain steps by
+        `min_probe_gain` at the measured costs."""
+        length = self.initial_num_draft_tokens
+        ceiling = (length + 1) / (length * self.costs.draft_s + self.costs.verify_s)
+        return ceiling * self.costs.plain_step_s >= self.min_probe_gain
 
     def _best_length(self) -> tuple[int, float]:
         """The draft length with the most expected tokens per second, and that rate."""

@@ -40,6 +40,28 @@ def test_a_sequence_stands_aside_probes_and_returns_when_acceptance_recovers() -
     assert controller.next_num_draft_tokens() > 0 and controller.probe_interval == 0
 
 
+def test_no_probe_is_drafted_where_no_acceptance_could_pay() -> None:
+    # A draft forward costs a plain step (a short prompt: the weights dominate): even 8 drafts all
+    # accepted would emit 9 tokens in 9.1 plain steps' time, so the sequence never probes.
+    costs = StepCosts(draft_s=0.05, verify_s=0.055, plain_s=0.05)
+    controller = DraftLengthController(costs, min_probe_interval=2, max_probe_interval=4)
+    for _ in range(4):
+        controller.update(8, 0)
+    assert [controller.next_num_draft_tokens() for _ in range(20)] == [0] * 20
+    assert controller.num_stood_aside == 20
+    costs.draft_s = 0.01  # drafting got cheap (a longer context): probes come back
+    assert 2 in [controller.next_num_draft_tokens() for _ in range(8)]
+
+
+def test_a_new_sequence_drafts_first_only_where_drafting_could_pay() -> None:
+    unmeasured = DraftLengthController(StepCosts(), initial_num_draft_tokens=8)
+    assert unmeasured.next_num_draft_tokens() == 8  # its first round measures the costs
+    dear = DraftLengthController(StepCosts(draft_s=0.05, verify_s=0.055, plain_s=0.05), initial_num_draft_tokens=8)
+    assert dear.next_num_draft_tokens() == 0 and dear.num_stood_aside == 1
+    cheap = DraftLengthController(StepCosts(draft_s=0.01, verify_s=0.06, plain_s=0.05), initial_num_draft_tokens=8)
+    assert cheap.next_num_draft_tokens() == 8
+
+
 def test_fixed_draft_lengths_never_stand_aside() -> None:
     controller = DraftLengthController(StepCosts(draft_s=1.0, verify_s=1.0, plain_s=0.01), fixed=3)
     for _ in range(5):
