@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from kvlab.cache import KVCache, forward
 from kvlab.compress import Compressor
 from kvlab.models import LoadedModel, wrap_model
-from kvlab.models.packed_linear import PackedLinear, dense_copy
+from kvlab.models.packed_linear import dense_copy, is_packed
 
 TINY_VOCAB = 96
 
@@ -62,7 +62,7 @@ _TRANSFORMERS_LAYERS: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module
 def transformers_layers(model: torch.nn.Module) -> torch.nn.Module:
     """`model` itself, or, when kvlab packed its linear layers, a copy with transformers' own
     `torch.nn.Linear` layers (made once per model): the reference kvlab's fast paths are held to."""
-    if not any(isinstance(module, PackedLinear) for module in model.modules()):
+    if not is_packed(model):
         return model
     if model not in _TRANSFORMERS_LAYERS:
         _TRANSFORMERS_LAYERS[model] = dense_copy(model)

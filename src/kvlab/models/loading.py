@@ -38,7 +38,7 @@ from kvlab.errors import ConfigError, ModelNotFoundError
 from kvlab.models.architecture import ModelArchitecture
 from kvlab.models.attention_hook import install_attention
 from kvlab.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_gguf_path
-from kvlab.models.packed_linear import PackedLinear, pack_linear_layers
+from kvlab.models.packed_linear import is_packed, pack_linear_layers
 from kvlab.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class LoadedModel:
     @property
     def packed_weights(self) -> bool:
         """Whether the linear layers run through oneDNN-packed weights (`kvlab.models.packed_linear`)."""
-        return any(isinstance(module, PackedLinear) for module in self.model.modules())
+        return is_packed(self.model)
 
     @property
     def has_chat_template(self) -> bool:

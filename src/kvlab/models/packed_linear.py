@@ -16,12 +16,13 @@ kernel to.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
 
 def packing_available(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -52,8 +53,7 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.tied = tied
-        # The batch-size hint picks oneDNN's blocking; 16 measured fastest from 1 to 4096 rows here.
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
+        self.packed_weight = _pack(weight.detach())
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
@@ -103,7 +103,7 @@ class PackedLinear(torch.nn.Module):
                 "(kvlab.models.packed_linear.unpack_linear_layers) to move it to "
                 f"{weight.device} / {weight.dtype}"
             )
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+        self.packed_weight = _pack(weight)
         if self.bias is not None:
             self.bias = torch.nn.Parameter(fn(self.bias.detach()), requires_grad=False)
         return self
@@ -121,8 +121,7 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
     embedding keeps the dense original. Returns how many layers were packed; 0 (and nothing changed)
     when this torch build or the model's device and dtype cannot be packed.
     """
-    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if type(child) is torch.nn.Linear]
+    linears = _children(model, torch.nn.Linear)
     if not linears or not packing_available(linears[0][2].weight.device, linears[0][2].weight.dtype):
         return 0
     others = {id(parameter) for module in model.modules() if type(module) is not torch.nn.Linear
@@ -131,6 +130,11 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
         for parent, name, child in linears:
             setattr(parent, name, PackedLinear.from_linear(child, tied=id(child.weight) in others))
     return len(linears)
+
+
+def is_packed(model: torch.nn.Module) -> bool:
+    """Whether any linear layer of `model` runs through packed weights."""
+    return any(isinstance(module, PackedLinear) for module in model.modules())
 
 
 def packed_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -143,8 +147,7 @@ def packed_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def unpack_linear_layers(model: torch.nn.Module) -> int:
     """Replace every `PackedLinear` in `model` by a plain `torch.nn.Linear`, in place; returns how many."""
-    packed = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-              if isinstance(child, PackedLinear)]
+    packed = _children(model, PackedLinear)
     for parent, name, child in packed:
         setattr(parent, name, child.to_linear())
     return len(packed)
@@ -156,3 +159,15 @@ def dense_copy(model: torch.nn.Module) -> torch.nn.Module:
     duplicate = copy.deepcopy(model)
     unpack_linear_layers(duplicate)
     return duplicate
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    # The batch-size hint picks oneDNN's blocking; 16 measured fastest from 1 to 4096 rows here.
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+
+
+def _children(model: torch.nn.Module, kind: type[ModuleT]) -> list[tuple[torch.nn.Module, str, ModuleT]]:
+    """(parent, attribute name, child) of every submodule of exactly type `kind` (a subclass of
+    `torch.nn.Linear`, such as a quantized one, is not a plain linear layer), for replacing it in place."""
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if type(child) is kind]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prometheus_client import Gauge
@@ -62,9 +62,7 @@ def resolve(body: Body, loaded: LoadedModel, serve: ServeConfig, default_lossles
     context = loaded.architecture.max_context
     limit = min(serve.max_prompt_tokens or context, context - 1)
     check_prompt_chars(body, limit)
-    vocab = len(loaded.tokenizer)
-    if any(not 0 <= token < vocab for token in body.stop_token_ids or ()):
-        raise ConfigError(f"stop_token_ids must be in 0..{vocab - 1}")
+    check_token_ids(body.stop_token_ids or (), loaded, "stop_token_ids")
     prompts = prompt_ids(body, loaded)
     for prompt in prompts:
         if len(prompt) > limit:
@@ -170,16 +168,25 @@ def prompt_ids(body: Body, loaded: LoadedModel) -> list[list[int]]:
         encoded: Any = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids: Any = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
         return [[int(i) for i in ids]]
-    vocab = len(loaded.tokenizer)
     prompts = []
     for prompt in body.prompts:
         if isinstance(prompt, str):
             prompts.append(loaded.encode_prompt(prompt, raw=True))
-        elif any(not 0 <= token < vocab for token in prompt):
-            raise ConfigError(f"prompt token ids must be in 0..{vocab - 1}")
         else:
+            check_token_ids(prompt, loaded, "prompt token ids")
             prompts.append(list(prompt))
     return prompts
+
+
+def check_token_ids(token_ids: Sequence[int], loaded: LoadedModel, what: str) -> None:
+    """Refuse ids outside the tokenizer's vocabulary, naming `what` carries them.
+
+    Raises:
+        ConfigError: Some id is negative or past the vocabulary.
+    """
+    vocab = len(loaded.tokenizer)
+    if any(not 0 <= token < vocab for token in token_ids):
+        raise ConfigError(f"{what} must be in 0..{vocab - 1}")
 
 
 def _max_tokens(body: Body, num_prompt: int, context: int, serve: ServeConfig) -> int:
@@ -234,9 +241,7 @@ def detokenize(body: DetokenizeRequest, loaded: LoadedModel) -> str:
     context = loaded.architecture.max_context
     if len(body.tokens) > context:
         raise ConfigError(f"at most {context} token ids (the model's context) per request, got {len(body.tokens)}")
-    vocab = len(loaded.tokenizer)
-    if any(not 0 <= token < vocab for token in body.tokens):
-        raise ConfigError(f"token ids must be in 0..{vocab - 1}")
+    check_token_ids(body.tokens, loaded, "token ids")
     return loaded.decode(body.tokens, False)
 
 

@@ -15,6 +15,7 @@ from kvlab.models.draft_weights import draft_model
 from kvlab.models.packed_linear import (
     PackedLinear,
     dense_copy,
+    is_packed,
     pack_linear_layers,
     packing_available,
     unpack_linear_layers,
@@ -148,7 +149,7 @@ def test_draft_weight_copies_of_a_packed_model_run(weights: str) -> None:
 def test_dense_copy_has_plain_linear_layers_and_equal_weights() -> None:
     loaded = tiny_llama()
     duplicate = dense_copy(loaded.model)
-    assert not any(isinstance(module, PackedLinear) for module in duplicate.modules())
+    assert not is_packed(duplicate)
     expected = loaded.model.state_dict()
     for name, tensor in duplicate.state_dict().items():
         assert torch.equal(tensor, expected[name]), name
