@@ -1,10 +1,8 @@
 """Linear layers whose weights oneDNN reorders once into its blocked layout (CPU, float32 or bfloat16).
 
-A decode step of a small model on a CPU is bound by reading its weights. Measured on this project's
-2-core machine, `F.linear` over a row-major `[out, in]` float32 weight streams it at about 10 GB/s for
-one token and slower per token for 2 to 9 (the verify of lossless decoding), where oneDNN's prepacked
-`_linear_pointwise` streams 18 GB/s and costs about as much for 9 tokens as for one
-(`benchmarks/step_costs.py` prints both). The sums are the same float32 sums in another order, so
+A decode step of a small model on a CPU is bound by reading its weights, and oneDNN's prepacked
+`_linear_pointwise` reads them faster than `F.linear` over a row-major `[out, in]` weight, most of all
+for the 2 to 9 rows of a verify: `benchmarks/step_costs.py` prints a plain step and a verify with both. The sums are the same float32 sums in another order, so
 logits differ from `F.linear`'s in their last bits (relative 1e-6); kvlab's own equality claims
 (lossless, prefix reuse, identity compression) compare kvlab with kvlab on the same weights and stay
 exact. `load_model(packed_weights=False)` keeps transformers' own layers for bit-identity with them.
