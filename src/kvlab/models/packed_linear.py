@@ -2,8 +2,9 @@
 
 A decode step of a small model on a CPU is bound by reading its weights, and oneDNN's prepacked
 `_linear_pointwise` reads them faster than `F.linear` over a row-major `[out, in]` weight, most of all
-for the 2 to 9 rows of a verify: `benchmarks/step_costs.py` prints a plain step and a verify with both. The sums are the same float32 sums in another order, so
-logits differ from `F.linear`'s in their last bits (relative 1e-6); kvlab's own equality claims
+for the 2 to 9 rows of a verify: `benchmarks/step_costs.py` prints a plain step and a verify with both.
+The sums are the same float32 sums in another order, so logits differ from `F.linear`'s in their last
+bits (relative 1e-6); kvlab's own equality claims
 (lossless, prefix reuse, identity compression) compare kvlab with kvlab on the same weights and stay
 exact. `load_model(packed_weights=False)` keeps transformers' own layers for bit-identity with them.
 
