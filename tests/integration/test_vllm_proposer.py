@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from kvlab.compress import create_compressor
 from kvlab.engine import generate
@@ -91,7 +92,7 @@ def test_a_compressing_drafter_still_drafts_from_its_own_cache(tiny: LoadedModel
     lengths, token_ids = batch(PROMPTS[:1])
     drafts = proposer.propose([[PROMPTS[0][-1]]], lengths, token_ids)
     assert len(drafts[0]) == NUM_SPECULATIVE_TOKENS
-    stored_keys, _ = proposer.sequences[0].cache.layers[0].stored(0)
+    stored_keys, _ = proposer.by_prefix[0].cache.layers[0].stored(0)
     # The compressed prompt plus the last token, fed after compression; the drafts' KV was dropped.
     assert stored_keys.shape[-2] == 16 + 1 < len(PROMPTS[0])
 
@@ -168,3 +169,160 @@ def proposer_of(engine: Any) -> KVLabDraftProposer:
 
 def spec_decode_counter(engine: Any, name: str) -> int:
     return int(sum(metric.value for metric in engine.get_metrics() if metric.name == name))
+
+
+# ----- with KVLabConnector handing vLLM's KV over (.venv-vllm)
+
+# Drafters at settings that compress prompts of 100-300 tokens.
+ENGINE_DRAFTERS: dict[str, dict[str, Any]] = {
+    "snapkv": {"budget": 64},
+    "snapkv_agnostic": {"budget": 64},
+    "h2o": {"budget": 64},
+    "streamingllm": {"budget": 48},
+    "cam": {"budget": 64},
+    "kivi": {"bits": 2, "group_size": 32, "residual_length": 32},
+    "turboquant": {"bits": 3},
+}
+# Few enough blocks (of 32 tokens) that four 320-token requests preempt each other; enough for one
+# request of MAX_MODEL_LEN (1024 tokens), which vLLM requires.
+NUM_BLOCKS = 34
+
+
+@pytest.fixture(scope="module")
+def handover_engine() -> Any:
+    pytest.importorskip("vllm", reason="the vLLM integration tests run in .venv-vllm (make test-vllm)")
+    from vllm.config import KVTransferConfig
+
+    from tests.integration.vllm.engines import make_engine
+
+    transfer = KVTransferConfig(kv_connector="KVLabConnector", kv_connector_module_path="kvlab.integrations.vllm",
+                                kv_role="kv_both", kv_connector_extra_config={})
+    llm = make_engine(
+        speculative_config={"method": "custom_class", "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+                            "model": "kvlab.integrations.vllm.KVLabDraftProposer"},
+        kv_transfer_config=transfer, num_gpu_blocks_override=NUM_BLOCKS, disable_log_stats=False,
+    )
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def document() -> list[int]:
+    from transformers import AutoTokenizer
+
+    from kvlab.data import document_token_ids
+    from kvlab.integrations.vllm.model import model_directory
+
+    return document_token_ids(AutoTokenizer.from_pretrained(model_directory()), 1300)
+
+
+def decode_both(engine: Any, prompts: list[list[int]], lengths: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    """(vLLM's greedy tokens, kvlab's plain greedy tokens) of each prompt, `lengths[i]` new tokens each."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvlab.integrations.vllm.model import model_directory, transformers_model
+
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    outputs = engine.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    reference = transformers_model(model_directory(), "float32")
+    expected = [generate(reference, [p], GenerationConfig(max_new_tokens=n, ignore_eos=True)).requests[0].token_ids
+                for p, n in zip(prompts, lengths, strict=True)]
+    return [list(output.outputs[0].token_ids) for output in outputs], expected
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("drafter", sorted(ENGINE_DRAFTERS))
+def test_drafting_from_handed_over_kv_keeps_greedy_output(handover_engine: Any, document: list[int],
+                                                          drafter: str) -> None:
+    proposer = proposer_of(handover_engine)
+    proposer.drafter = create_compressor(drafter, **ENGINE_DRAFTERS[drafter])
+    proposer.stats = type(proposer.stats)()
+    # Three requests at once that end at different steps.
+    prompts, lengths = [document[:160], document[160:260], document[300:600]], [24, 9, 30]
+    got, expected = decode_both(handover_engine, prompts, lengths)
+    assert got == expected
+    stats = proposer.stats
+    # A compressor that scores with every prompt query needs the prompt computed whole.
+    prefilled = proposer.drafter.observes_every_query
+    assert (stats.num_adopted, stats.num_prefills, stats.fallbacks) == (0 if prefilled else 3, 3 * prefilled, {})
+    prompt_tokens_handed = 0 if prefilled else sum(len(p) for p in prompts) - 3 * 64
+    assert stats.num_handover_tokens > prompt_tokens_handed, "accepted tokens came from pages"
+    assert stats.num_draft_tokens > 0
+
+
+def test_compressors_are_all_tried_inside_vllm() -> None:
+    from kvlab.compress import compressors
+
+    assert sorted(ENGINE_DRAFTERS) == compressors.names()
+
+
+@pytest.mark.integration
+def test_preempted_requests_keep_their_draft_caches_and_output(handover_engine: Any, document: list[int]) -> None:
+    proposer = proposer_of(handover_engine)
+    proposer.drafter = create_compressor("snapkv", budget=64)
+    proposer.stats = type(proposer.stats)()
+    preempted = spec_decode_counter(handover_engine, "vllm:num_preemptions")
+    # All four fit in the blocks at first (800 tokens) but not once they have grown (1280).
+    prompts = [document[i * 300:i * 300 + 200] for i in range(4)]
+    got, expected = decode_both(handover_engine, prompts, [120] * 4)
+    assert got == expected
+    assert spec_decode_counter(handover_engine, "vllm:num_preemptions") > preempted, "nothing was preempted"
+    assert proposer.stats.num_prefills == 0 and proposer.stats.fallbacks == {}
+    assert proposer.stats.num_adopted == 4, "a resumed request was adopted again instead of extended"
+
+
+@pytest.mark.integration
+def test_handed_over_kv_is_the_kv_kvlab_computes(handover_engine: Any, document: list[int],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlab.integrations.vllm import handover
+    from kvlab.integrations.vllm.adoption import FLOAT32_TOLERANCE
+    from kvlab.integrations.vllm.model import model_directory, transformers_model
+    from tests.integration.test_vllm_handover import model_kv
+
+    prompt = document[:300]
+    gathered: list[Any] = []
+    publish = handover.HandoverBoard.publish
+
+    def capture(board: Any, engine: str, step: Any) -> None:
+        if not gathered:
+            gathered.extend(step.gather(0, 0, len(prompt)))
+        publish(board, engine, step)
+
+    monkeypatch.setattr(handover.HandoverBoard, "publish", capture)
+    decode_both(handover_engine, [prompt], [2])
+    computed = model_kv(transformers_model(model_directory(), "float32"), prompt)
+    worst = 0.0
+    for (keys, values), (want_keys, want_values) in zip(gathered, computed, strict=True):
+        for got, want in ((keys[0], want_keys), (values[0], want_values)):
+            worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+    assert worst <= FLOAT32_TOLERANCE, f"vLLM's KV is {worst:.2e} (relative) from kvlab's"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("fault", ["forged", "truncated"])
+def test_a_faulty_hand_over_in_vllm_falls_back_with_identical_output(
+    handover_engine: Any, document: list[int], fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dataclasses
+
+    from kvlab.integrations.vllm import handover
+
+    proposer = proposer_of(handover_engine)
+    proposer.drafter = create_compressor("snapkv", budget=64)
+    proposer.stats = type(proposer.stats)()
+    publish = handover.HandoverBoard.publish
+
+    def corrupt(board: Any, engine: str, step: Any) -> None:
+        if fault == "forged":
+            step = dataclasses.replace(step, pages=[torch.randn_like(page) for page in step.pages])
+        else:
+            rows = [dataclasses.replace(row, num_tokens=row.num_tokens // 2) for row in step.rows]
+            step = dataclasses.replace(step, rows=rows)
+        publish(board, engine, step)
+
+    monkeypatch.setattr(handover.HandoverBoard, "publish", corrupt)
+    got, expected = decode_both(handover_engine, [document[:200]], [12])
+    assert got == expected
+    assert proposer.stats.num_adopted == 0 and proposer.stats.num_prefills >= 1
+    assert sum(proposer.stats.fallbacks.values()) >= 1

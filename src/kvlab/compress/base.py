@@ -39,8 +39,9 @@ class CompressionContext:
     """What a compressor may observe about one layer of one sequence.
 
     Attributes:
-        queries: [H, T, D] queries of the prompt tokens (rotary applied), or None when the method does
-            not declare `observes_queries`.
+        queries: [H, T_q, D] queries of the prompt's last T_q tokens (rotary applied; T_q = T when the
+            prompt was computed whole, fewer when its first tokens' KV was restored from elsewhere),
+            or None when the method does not declare `observes_queries`.
         scaling: The attention softmax scale of the layer.
         layer_idx: Index of the layer (some methods vary settings by layer; seeds derive from it).
     """
@@ -68,9 +69,13 @@ class Compressor(abc.ABC):
 
     Class attributes:
         observes_queries: The method needs the prompt's queries (`CompressionContext.queries`).
+        observes_every_query: It scores with the queries of every prompt position, not only of the
+            last ones (an observation window): it compresses as meant only a prompt computed whole,
+            not KV restored from elsewhere and completed by its last tokens.
     """
 
     observes_queries: ClassVar[bool] = False
+    observes_every_query: ClassVar[bool] = False
     registry_name: ClassVar[str]
 
     @abc.abstractmethod

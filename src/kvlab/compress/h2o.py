@@ -29,6 +29,7 @@ class H2OCompressor(EvictionCompressor):
     """
 
     observes_queries: ClassVar[bool] = True
+    observes_every_query: ClassVar[bool] = True
 
     recent_ratio: float = dataclasses.field(default=0.5, metadata={"help": "share of the budget for recent tokens"})
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,8 @@ class SnapKVAgnosticCompressor(SnapKVCompressor):
       variant; SCBench's query-agnostic setting, without KVzip's extra reconstruction forward);
     - GQA as in kvlab's SnapKV: attention averaged over the query heads of each KV head.
     """
+
+    observes_every_query: ClassVar[bool] = True
 
     window_size: int = dataclasses.field(default=32, metadata={"help": "observing positions, and last tokens kept"})
 

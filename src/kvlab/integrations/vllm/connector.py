@@ -12,10 +12,13 @@ Where the work happens:
   has already shortened the prefix, with one log line, and vLLM computes the rest itself.
 - Worker: before each attention layer runs (`wait_for_layer_load`) the restored keys and values of
   that layer are written into its pages; after the step (`wait_for_save`) the prompt's newly
-  completed chunks are copied out of the pages and written by a background thread.
+  completed chunks are copied out of the pages and written by a background thread, and the step's
+  rows and pages are handed to `KVLabDraftProposer` in the same process (`kvlab.integrations.vllm.handover`),
+  so the drafter reads the target's KV instead of computing it again.
 
 Configuration is `kv_connector_extra_config`: `store` (a kvlab store URL) plus any `PrefixConfig`
 field (`chunk_tokens`, `write`, `fetch`, `allow_recompute`, `cache_salt`, ...). Unknown keys are errors.
+Without `store` the connector only hands KV over to the proposer.
 """
 
 from __future__ import annotations
@@ -34,7 +37,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.model_executor.models.utils import extract_layer_index
 
 from kvlab.errors import ConfigError
-from kvlab.integrations.vllm.layouts import BlockLayout, block_layout, slots_of
+from kvlab.integrations.vllm.handover import (
+    BOARD,
+    ScheduledRequest,
+    StepHandover,
+    engine_key,
+    rows_of_step,
+)
+from kvlab.integrations.vllm.layouts import BlockLayout, UnknownBlockLayoutError, block_layout, slots_of
 from kvlab.integrations.vllm.model import prefix_parameters, served_model
 from kvlab.store import create_store
 from kvlab.store.prefix import PrefixCache, PrefixConfig
@@ -93,6 +103,8 @@ class KVLabConnectorMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     saves: list[SaveSpec] = dataclasses.field(default_factory=list)
+    scheduled: list[ScheduledRequest] = dataclasses.field(default_factory=list)
+    finished: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(slots=True)
@@ -104,15 +116,18 @@ class _Tracked:
     saved_until: int
 
 
-def prefix_cache_for(vllm_config: VllmConfig) -> PrefixCache:
-    """The kvlab prefix cache `kv_connector_extra_config` describes, for the model vLLM serves."""
+def prefix_cache_for(vllm_config: VllmConfig) -> PrefixCache | None:
+    """The kvlab prefix cache `kv_connector_extra_config` describes, for the model vLLM serves (None:
+    no `store`, the connector only hands KV over to the proposer)."""
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     url = extra.pop("store", None)
     allowed = ["store", *(f.name for f in dataclasses.fields(PrefixConfig))]
     unknown = sorted(set(extra) - set(allowed))
-    if not isinstance(url, str) or unknown:
-        problem = f"unknown key {unknown[0]!r}" if unknown else "no 'store' URL"
+    if unknown or (url is None and extra) or (url is not None and not isinstance(url, str)):
+        problem = f"unknown key {unknown[0]!r}" if unknown else "no 'store' URL for the prefix settings"
         raise ConfigError(f"KVLabConnector: {problem} in kv_connector_extra_config; keys: {', '.join(allowed)}")
+    if url is None:
+        return None
     for name in ("write", "fetch"):
         if name in extra:
             extra[name] = tuple(extra[name])
@@ -133,7 +148,7 @@ class KVLabConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
         self.prefix = prefix_cache_for(vllm_config)
-        if self.prefix.chunk_tokens % self.block_size:
+        if self.prefix is not None and self.prefix.chunk_tokens % self.block_size:
             raise ConfigError(f"KVLabConnector: chunk_tokens={self.prefix.chunk_tokens} must be a multiple of "
                               f"vLLM's block_size={self.block_size}")
         # Scheduler side.
@@ -147,6 +162,11 @@ class KVLabConnector(KVConnectorBase_V1):
         self._layer_index: dict[str, int] = {}
         self._layout: BlockLayout | None = None
         self._pending: list[LoadSpec] = []
+        # The hand-over to the proposer: one KV cache group only (a model with sliding-window layers has
+        # several block tables; the proposer then prefills prompts itself).
+        self._engine = engine_key(vllm_config)
+        self._hands_over = len(kv_cache_config.kv_cache_groups) == 1 if kv_cache_config is not None else False
+        self._last_layer = -1
 
     # ----- scheduler side
 
@@ -154,7 +174,7 @@ class KVLabConnector(KVConnectorBase_V1):
         """Tokens past `num_computed_tokens` restored intact from the store; None while the fetch runs."""
         req_id = request.request_id
         prompt = list(request.prompt_token_ids or [])
-        if getattr(request, "skip_reading_prefix_cache", False) or \
+        if self.prefix is None or getattr(request, "skip_reading_prefix_cache", False) or \
                 self.prefix.reusable_chunks(len(prompt)) * self.prefix.chunk_tokens <= num_computed_tokens:
             # vLLM would discard the count for a request that skips prefix caches: fetch nothing.
             return 0, False
@@ -178,13 +198,14 @@ class KVLabConnector(KVConnectorBase_V1):
             self._loads[request.request_id] = entry
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVLabConnectorMetadata()
+        meta = KVLabConnectorMetadata(finished=frozenset(scheduler_output.finished_req_ids))
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             prompt = list(new.prompt_token_ids or [])
             tracked = self._tracked[new.req_id] = _Tracked(prompt, list(new.block_ids[0]), 0)
             self._add_load(meta, new.req_id, tracked)
             self._add_save(meta, tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            self._add_scheduled(meta, new.req_id, tracked, new.num_computed_tokens)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked_or_none = self._tracked.get(req_id)
@@ -198,7 +219,14 @@ class KVLabConnector(KVConnectorBase_V1):
                 tracked_or_none.block_ids.extend(new_block_ids[0])
             self._add_load(meta, req_id, tracked_or_none)
             self._add_save(meta, tracked_or_none, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+            self._add_scheduled(meta, req_id, tracked_or_none, cached.num_computed_tokens[i])
         return meta
+
+    def _add_scheduled(self, meta: KVLabConnectorMetadata, req_id: str, tracked: _Tracked, num_computed: int) -> None:
+        """Name the block of the request's first token this step: the workers match batch rows by it."""
+        index = num_computed // self.block_size
+        if index < len(tracked.block_ids):
+            meta.scheduled.append(ScheduledRequest(req_id, tracked.block_ids[index]))
 
     def _add_load(self, meta: KVLabConnectorMetadata, req_id: str, tracked: _Tracked) -> None:
         entry = self._loads.pop(req_id, None)
@@ -212,7 +240,7 @@ class KVLabConnector(KVConnectorBase_V1):
         tracked.saved_until = max(tracked.saved_until, fetched.end)
 
     def _add_save(self, meta: KVLabConnectorMetadata, tracked: _Tracked, num_computed: int) -> None:
-        if not self.prefix.config.write:
+        if self.prefix is None or not self.prefix.config.write:
             return
         size = self.prefix.chunk_tokens
         end = min(num_computed, len(tracked.prompt_token_ids)) // size * size
@@ -235,6 +263,18 @@ class KVLabConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
         self._layer_index = {name: extract_layer_index(name) for name in kv_caches}
+        self._last_layer = max(self._layer_index.values(), default=-1)
+        if not self._hands_over:
+            logger.info("KVLabConnector hands no KV to the proposer: the model has %d KV cache groups",
+                        len(self._kv_cache_config.kv_cache_groups))
+            return
+        try:
+            self._page_layout()
+        except UnknownBlockLayoutError as error:
+            logger.warning("KVLabConnector hands no KV to the proposer: %s", error)
+            self._hands_over = False
+            return
+        BOARD.connect(self._engine)
 
     def _page_layout(self) -> BlockLayout:
         """The layout of this engine's pages, from the backend (and CPU kernel ISA) of its attention layers."""
@@ -266,7 +306,16 @@ class KVLabConnector(KVConnectorBase_V1):
             layout.scatter(kv_cache, slots.to(kv_cache.device), load.keys[index], load.values[index])
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Nothing per layer: a stored chunk holds every layer, so chunks are copied out in `wait_for_save`."""
+        """After the last layer, hand the step's KV to the proposer (vLLM may run the proposer before
+        `wait_for_save`); chunks hold every layer, so they are copied out in `wait_for_save`."""
+        if not self._hands_over or self._layer_index.get(layer_name) != self._last_layer:
+            return
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KVLabConnectorMetadata)
+        rows = rows_of_step(attn_metadata, metadata.scheduled, self.block_size)
+        names = sorted(self._kv_caches, key=self._layer_index.__getitem__)
+        pages = [self._kv_caches[name] for name in names]
+        BOARD.publish(self._engine, StepHandover(rows, pages, self._page_layout(), self.block_size, metadata.finished))
 
     def wait_for_save(self) -> None:
         """Copy the step's completed prompt chunks out of the pages (every layer) and queue their writes."""
@@ -275,7 +324,7 @@ class KVLabConnector(KVConnectorBase_V1):
             return
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, KVLabConnectorMetadata)
-        if not metadata.saves:
+        if not metadata.saves or self.prefix is None:
             return
         layout = self._page_layout()
         names = sorted(self._kv_caches, key=self._layer_index.__getitem__)
@@ -290,6 +339,9 @@ class KVLabConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         """Finish queued writes (a write that fails was logged by the writer; vLLM is shutting down)."""
         self._fetcher.shutdown(wait=False, cancel_futures=True)
+        BOARD.disconnect(self._engine)
+        if self.prefix is None:
+            return
         try:
             self.prefix.close()
         except Exception as error:  # shutting down: report, never raise

@@ -6,64 +6,57 @@ every step with each batch row's token history. The proposer drafts `num_specula
 tokens per row from the same checkpoint running on a kvlab compressed cache; vLLM verifies them
 with its full KV, so output is identical to plain decoding whatever the drafts are.
 
-What the token-only interface costs (measured in benchmarks/vllm_integration.py, docs/vllm.md):
-- vLLM's model module cannot attend over a kvlab cache, so the checkpoint is loaded a second time
-  into transformers modules with kvlab attention (the drafter shares no weights or KV with vLLM);
-- the proposer sees no request ids and no KV: it keeps one draft cache per sequence, found again by
-  token prefix (rows are reordered between steps), and prefills each new sequence's prompt itself
-  (a second prefill, then compressed);
-- every step it catches up on the tokens vLLM accepted with one forward over them.
+With `KVLabConnector` in the same engine (`kv_connector_extra_config` may be empty), each step's rows
+come with their request ids and vLLM's pages (`kvlab.integrations.vllm.handover`):
+- a new request's draft cache is its prompt's KV read from the pages and compressed; only the last
+  `window` prompt tokens are computed again, for the compressor's observation window (SnapKV's
+  queries) and as a check that the pages hold this prompt's KV (a mismatch falls back to the token
+  path for that request, logged and counted). A compressor that scores with every prompt query
+  (`observes_every_query`: H2O, query-agnostic SnapKV) has its prompts prefilled by the drafter;
+- the tokens vLLM accepted reach the draft cache from the pages, not from a catch-up forward;
+- draft caches are kept by request id and freed when vLLM says the request finished;
+- the draft forwards of all rows run packed: one forward per draft position reads the weights once.
 
-The drafter is any kvlab compressor, chosen by `KVLAB_VLLM_DRAFTER` (JSON `{"name": ..., **params}`,
-default `{"name": "snapkv"}`): vLLM passes a custom proposer nothing but its config.
+Without the connector (or where it cannot hand over: several KV cache groups, an unmapped page
+layout) the proposer says so once and works from token ids alone: it prefills each new sequence
+itself, finds it again by token prefix (rows are reordered between steps) and feeds the accepted
+tokens through the drafter.
+
+vLLM's model module cannot attend over a kvlab cache, so the checkpoint is loaded a second time into
+transformers modules with kvlab attention (docs/vllm.md). The drafter is any kvlab compressor, chosen
+by `KVLAB_VLLM_DRAFTER` (JSON `{"name": ..., **params}`, default `{"name": "snapkv"}`): vLLM passes a
+custom proposer nothing but its config.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import logging
 import os
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvlab.cache import KVCache, forward
+from kvlab.cache.step import Segment, run_packed
 from kvlab.compress import Compressor, compressors
 from kvlab.errors import ConfigError
+from kvlab.integrations.vllm.adoption import DraftSequence, HandoverMismatch, ProposerStats, SequenceBuilder
+from kvlab.integrations.vllm.handover import BOARD, LayerKV, StepHandover, engine_key
 from kvlab.integrations.vllm.model import served_model, transformers_model
 from kvlab.models import LoadedModel
 from kvlab.timing import Stopwatch
 
+__all__ = ["DEFAULT_DRAFTER", "DRAFTER_ENV", "DraftSequence", "KVLabDraftProposer", "ProposerStats",
+           "drafter_from_environment"]
+
+logger = logging.getLogger(__name__)
+
 DRAFTER_ENV = "KVLAB_VLLM_DRAFTER"
 DEFAULT_DRAFTER: dict[str, Any] = {"name": "snapkv"}
-# Sequences kept without being seen in a step: a preempted request that comes back finds its cache.
+# Sequences kept without being seen in a step when they are found by token prefix (no request ids):
+# a preempted request that comes back finds its cache.
 _MAX_IDLE_SEQUENCES = 8
-# Room beyond the history allocated at once, so a sequence's cache rarely grows.
-_CAPACITY_MARGIN = 256
-
-
-@dataclasses.dataclass(slots=True)
-class ProposerStats:
-    """Where the proposer's time goes, summed over calls (seconds) and what it did (counts)."""
-
-    num_calls: int = 0
-    num_prefills: int = 0
-    num_prefill_tokens: int = 0
-    num_catch_up_tokens: int = 0
-    num_draft_tokens: int = 0
-    prefill_s: float = 0.0
-    catch_up_s: float = 0.0
-    draft_s: float = 0.0
-    total_s: float = 0.0
-
-
-@dataclasses.dataclass(slots=True)
-class DraftSequence:
-    """A sequence's compressed draft cache and the token ids it has consumed (`[n]` int64)."""
-
-    cache: KVCache
-    token_ids: np.ndarray
 
 
 def drafter_from_environment() -> Compressor:
@@ -91,9 +84,13 @@ class KVLabDraftProposer:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.directory, self.dtype = served_model(vllm_config)
         self.drafter = drafter or drafter_from_environment()
+        self.engine = engine_key(vllm_config)
         self.model: LoadedModel | None = None
-        self.sequences: list[DraftSequence] = []
+        self.by_request: dict[str, DraftSequence] = {}
+        self.by_prefix: list[DraftSequence] = []
+        self.untrusted: set[str] = set()
         self.stats = ProposerStats()
+        self._said_no_handover = False
 
     def load_model(self, target_model: Any = None) -> None:
         """Load the served checkpoint for kvlab's attention (vLLM's module cannot use a kvlab cache)."""
@@ -102,6 +99,11 @@ class KVLabDraftProposer:
         if target_vocab is not None and target_vocab != self.model.model.config.vocab_size:
             raise ConfigError(f"KVLabDraftProposer: the drafter's vocabulary ({self.model.model.config.vocab_size}) "
                               f"differs from the target's ({target_vocab})")
+
+    @property
+    def builder(self) -> SequenceBuilder:
+        assert self.model is not None, "vLLM calls load_model before propose"
+        return SequenceBuilder(self.model, self.drafter, self.stats)
 
     def propose(
         self,
@@ -116,82 +118,144 @@ class KVLabDraftProposer:
             sampled_token_ids: Per row, the tokens vLLM accepted this step (empty: no draft wanted).
             num_tokens_no_spec: [num_rows] tokens of each row's history, the sampled ones included.
             token_ids_cpu: [max_rows, max_model_len] token ids of each row's history.
-            slot_mappings: vLLM's KV slots (unused: the draft cache is kvlab's own).
+            slot_mappings: vLLM's KV slots (unused: the hand-over names each row's blocks).
         """
         clock = Stopwatch(self.model.device if self.model is not None else "cpu")
-        seen: list[DraftSequence] = []
-        drafts: list[list[int]] = []
+        handover = self._take_handover()
+        rows, histories, sequences = [], [], []
         for row, sampled in enumerate(sampled_token_ids):
             num_tokens = int(num_tokens_no_spec[row])
             if not sampled or num_tokens + self.num_speculative_tokens >= self.max_model_len:
-                drafts.append([])
                 continue
             history = np.asarray(token_ids_cpu[row, :num_tokens], dtype=np.int64)
-            sequence = self._sequence_for(history)
-            drafts.append(self._draft(sequence, history))
-            seen.append(sequence)
-        idle = [sequence for sequence in self.sequences if all(sequence is not s for s in seen)]
-        self.sequences = seen + idle[:_MAX_IDLE_SEQUENCES]
+            rows.append(row)
+            histories.append(history)
+            sequences.append(self._sequence_for(row, history, handover))
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        for row, drafted in zip(rows, self._draft(sequences, histories), strict=True):
+            drafts[row] = drafted
+        if self.by_prefix:
+            idle = [sequence for sequence in self.by_prefix if all(sequence is not s for s in sequences)]
+            self.by_prefix = [s for s in sequences if s in self.by_prefix] + idle[:_MAX_IDLE_SEQUENCES]
         self.stats.num_calls += 1
         self.stats.total_s += clock.elapsed()
         return drafts
 
-    def _sequence_for(self, history: np.ndarray) -> DraftSequence:
-        """The kept sequence whose tokens are the longest prefix of `history`, or a newly prefilled one."""
+    def _take_handover(self) -> StepHandover | None:
+        """This step's hand-over (freeing the draft caches of finished requests), or None, said once."""
+        handover = BOARD.take(self.engine)
+        if handover is not None:
+            for req_id in handover.finished:
+                self.by_request.pop(req_id, None)
+                self.untrusted.discard(req_id)
+        elif not self._said_no_handover:
+            self._said_no_handover = True
+            reason = "it hands no KV over" if BOARD.connected(self.engine) else "the engine has no KVLabConnector"
+            logger.warning("KVLabDraftProposer prefills each prompt itself and catches up on accepted tokens with "
+                           "forwards: %s (see docs/vllm.md)", reason)
+        return handover
+
+    def _sequence_for(self, row: int, history: np.ndarray, handover: StepHandover | None) -> DraftSequence:
+        """The row's draft cache, holding the KV of `history[:-1]` or fewer of its first tokens.
+
+        A request whose hand-over failed a check once is served from token ids from then on."""
+        req_id = self._handed_request(row, history, handover)
+        if req_id is None:
+            return self._by_token_prefix(history)
+        assert handover is not None
+        sequence = self.by_request.get(req_id)
+        builder = self.builder
+        try:
+            if sequence is None or not builder.extend(sequence, history, handover, row):
+                sequence = builder.adopt(history, handover, row) or builder.prefill(history)
+        except HandoverMismatch as error:
+            self._distrust(req_id, "hand-over KV", str(error))
+            return self._by_token_prefix(history)
+        self.by_request[req_id] = sequence
+        return sequence
+
+    def _handed_request(self, row: int, history: np.ndarray, handover: StepHandover | None) -> str | None:
+        """The row's request when the hand-over names one it trusts whose pages hold `history[:-1]`."""
+        if handover is None:
+            return None
+        handed = handover.rows[row] if row < len(handover.rows) else None
+        if handed is None or handed.req_id is None:
+            self.stats.count_fallback("hand-over row", f"row {row} of the hand-over names no request")
+            return None
+        if handed.req_id in self.untrusted:
+            return None
+        if not len(history) - 1 <= handed.num_tokens <= len(history) - 1 + self.num_speculative_tokens:
+            self._distrust(handed.req_id, "hand-over row",
+                           f"row {row} holds {handed.num_tokens} tokens' KV for a history of {len(history)}")
+            return None
+        return handed.req_id
+
+    def _distrust(self, req_id: str, kind: str, detail: str) -> None:
+        self.stats.count_fallback(kind, f"request {req_id}: {detail}")
+        self.by_request.pop(req_id, None)
+        self.untrusted.add(req_id)
+
+    def _by_token_prefix(self, history: np.ndarray) -> DraftSequence:
+        """Without request ids: the kept sequence whose tokens are the longest prefix of `history`, or a
+        newly prefilled one."""
         best: DraftSequence | None = None
-        for sequence in self.sequences:
+        for sequence in self.by_prefix:
             length = len(sequence.token_ids)
             if length < len(history) and (best is None or length > len(best.token_ids)) and \
                     np.array_equal(history[:length], sequence.token_ids):
                 best = sequence
-        if best is not None:
-            return best
-        assert self.model is not None, "vLLM calls load_model before propose"
-        model = self.model
-        prompt = torch.from_numpy(history[None, :-1]).to(model.device)
-        clock = Stopwatch(model.device)
-        # All but the last token: `_draft` feeds what the cache has not consumed, as for a kept sequence.
+        if best is None:
+            best = self.builder.prefill(history)
+            self.by_prefix.append(best)
+        return best
+
+    def _draft(self, sequences: list[DraftSequence], histories: list[np.ndarray]) -> list[list[int]]:
+        """Feed each history's tokens its cache lacks, draft greedily (one packed forward per draft
+        position for every row), then drop the drafts' KV again."""
+        if not sequences:
+            return []
+        assert self.model is not None
+        model = self.model.model
+        clock = Stopwatch(self.model.device)
+        feeds = [history[sequence.cache.seq_lengths[0]:].tolist() for sequence, history in zip(sequences, histories,
+                                                                                                 strict=True)]
+        captured: list[LayerKV] = [[] for _ in sequences]
+        drafted = [[token] for token in self._packed_argmax(model, sequences, feeds, captured)]
+        for sequence, layer_kv in zip(sequences, captured, strict=True):
+            keys, values = layer_kv[0]
+            sequence.last_kv = (keys[:, :, -1:].clone(), values[:, :, -1:].clone())
+        self.stats.num_catch_up_tokens += sum(len(feed) for feed in feeds)
+        caches = [sequence.cache for sequence in sequences]
+        # Drafted tokens are provisional: a compressed layer never compresses what is rolled back.
+        for cache in caches:
+            cache.set_provisional(True)
         try:
-            cache = self._prefill(prompt, self.drafter)
-        except ConfigError:
-            # The drafter refuses this prompt (shorter than its budget): a full cache drafts it instead.
-            cache = self._prefill(prompt, None)
-        self.stats.prefill_s += clock.elapsed()
-        self.stats.num_prefills += 1
-        self.stats.num_prefill_tokens += len(history) - 1
-        return DraftSequence(cache, history[:-1].copy())
-
-    def _prefill(self, prompt: torch.Tensor, compressor: Compressor | None) -> KVCache:
-        """A draft cache holding `prompt` [1, n] int64, compressed by `compressor` (None: every token)."""
-        assert self.model is not None
-        model = self.model
-        cache = KVCache.allocate(model.architecture, 1, prompt.shape[1] + _CAPACITY_MARGIN, model.dtype, model.device,
-                                 compressor)
-        with torch.inference_mode():
-            forward(model.model, cache, prompt, logits_to_keep=1, compress=compressor is not None)
-        return cache
-
-    def _draft(self, sequence: DraftSequence, history: np.ndarray) -> list[int]:
-        """Catch up on `history`'s new tokens with one forward, draft greedily, then drop the drafts' KV."""
-        assert self.model is not None
-        model, device = self.model.model, self.model.device
-        new_tokens = torch.from_numpy(history[None, len(sequence.token_ids):]).to(device)
-        with torch.inference_mode():
-            clock = Stopwatch(device)
-            logits = forward(model, sequence.cache, new_tokens, logits_to_keep=1)
-            drafted = [int(logits[0, -1].argmax())]
-            catch_up_s = clock.elapsed()
-            clock.restart()
-            # Drafted tokens are provisional: a compressed layer never compresses what is rolled back.
-            with sequence.cache.provisional():
-                for _ in range(self.num_speculative_tokens - 1):
-                    step = torch.tensor([[drafted[-1]]], device=device)
-                    drafted.append(int(forward(model, sequence.cache, step, logits_to_keep=1)[0, -1].argmax()))
-                sequence.cache.drop_last(self.num_speculative_tokens - 1)
-        draft_s = clock.elapsed()
-        sequence.token_ids = history.copy()
-        self.stats.catch_up_s += catch_up_s
-        self.stats.draft_s += draft_s
-        self.stats.num_catch_up_tokens += new_tokens.shape[1]
-        self.stats.num_draft_tokens += len(drafted)
+            for _ in range(self.num_speculative_tokens - 1):
+                next_tokens = self._packed_argmax(model, sequences, [[tokens[-1]] for tokens in drafted])
+                for tokens, token in zip(drafted, next_tokens, strict=True):
+                    tokens.append(token)
+            for cache in caches:
+                cache.drop_last(self.num_speculative_tokens - 1)
+        finally:
+            for cache in caches:
+                cache.set_provisional(False)
+        for sequence, history in zip(sequences, histories, strict=True):
+            sequence.token_ids = history.copy()
+        self.stats.draft_s += clock.elapsed()
+        self.stats.num_draft_tokens += sum(len(tokens) for tokens in drafted)
         return drafted
+
+    def _packed_argmax(
+        self, model: Any, sequences: list[DraftSequence], feeds: list[list[int]], captured: list[LayerKV] | None = None
+    ) -> list[int]:
+        """One packed forward of every row's `feeds` (their KV appended to `captured[row]` when given);
+        each row's greedy next token."""
+        kept: list[LayerKV | None] = list(captured) if captured is not None else [None] * len(sequences)
+        segments = [Segment(sequence.cache, len(feed), layer_kv)
+                    for sequence, feed, layer_kv in zip(sequences, feeds, kept, strict=True)]
+        ends = np.cumsum([len(feed) for feed in feeds]) - 1
+        with torch.inference_mode():
+            logits = run_packed(model, segments, feeds, ends.tolist())
+        self.stats.num_draft_forwards += 1
+        return logits.argmax(dim=-1).tolist()
+

@@ -1,0 +1,207 @@
+"""Draft caches of `KVLabDraftProposer`: built from vLLM's handed-over pages, extended from them, or
+prefilled by the drafter itself; and where the proposer's time goes.
+
+A hand-over is trusted only as far as it is checked: the last `window` prompt tokens are computed
+again by the drafter (the compressor's observation window needs their queries anyway) and their keys
+and values must match the pages' within `handover_tolerance`. Pages that hold another prompt's KV,
+or none, fail the check and the request is prefilled instead. Drafts never decide output (vLLM
+verifies them), so a wrong hand-over that passed would cost speed only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import torch
+
+from kvlab.cache import KVCache
+from kvlab.cache.step import ForwardStep, run_step
+from kvlab.compress import Compressor
+from kvlab.errors import ConfigError
+from kvlab.integrations.vllm.handover import LayerKV, StepHandover
+from kvlab.models import LoadedModel
+from kvlab.timing import Stopwatch
+
+logger = logging.getLogger("kvlab.integrations.vllm.proposer")
+
+# Room beyond the history allocated at once, so a sequence's cache rarely grows.
+CAPACITY_MARGIN = 256
+# Prompt tokens the drafter computes again when it adopts handed-over KV (at least; a compressor's own
+# observation window when larger).
+MIN_WINDOW = 32
+# How far the window's keys and values, computed by kvlab's modules, may be from vLLM's, relative to the
+# largest magnitude in each layer: vLLM's kernels sum in other orders. Measured in float32 with SmolLM2
+# (tests/integration/test_vllm_proposer.py): at most 2.6e-6. Half-precision types, not measured, get 8
+# steps of their precision.
+FLOAT32_TOLERANCE = 1e-4
+# A fallback of one kind is logged the first time and then every this many times.
+_LOG_EVERY = 100
+
+
+class HandoverMismatch(Exception):
+    """The pages do not hold the KV the drafter computes for the same tokens."""
+
+
+@dataclasses.dataclass(slots=True)
+class DraftSequence:
+    """A sequence's compressed draft cache and the token ids it has consumed (`[n]` int64).
+
+    Attributes:
+        last_kv: ([1, H_kv, 1, D] keys, values) of the first layer for the last consumed token, as the
+            drafter computed it; vLLM's pages hold the same token's KV after the next step, which checks
+            that they are this sequence's (token and position). Deeper layers' KV of that token differs:
+            the drafter attended over its compressed cache.
+    """
+
+    cache: KVCache
+    token_ids: np.ndarray
+    last_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class ProposerStats:
+    """Where the proposer's time goes, summed over calls (seconds), and what it did (counts).
+
+    `handover_s` reads pages; `adopt_s` computes the window, compresses and checks a handed-over
+    prompt; `prefill_s` prefills prompts the hand-over did not bring; `draft_s` runs the packed draft
+    forwards (catch-up tokens included: `num_catch_up_tokens` counts every token fed before the
+    first draft, one per row with the hand-over). The rest of `total_s` is bookkeeping.
+    """
+
+    num_calls: int = 0
+    num_adopted: int = 0
+    num_handover_tokens: int = 0
+    num_window_tokens: int = 0
+    num_prefills: int = 0
+    num_prefill_tokens: int = 0
+    num_catch_up_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_draft_forwards: int = 0
+    handover_s: float = 0.0
+    adopt_s: float = 0.0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    total_s: float = 0.0
+    fallbacks: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def count_fallback(self, kind: str, detail: str) -> None:
+        """Count a hand-over the proposer did not use, logging the first of each kind and every 100th."""
+        count = self.fallbacks[kind] = self.fallbacks.get(kind, 0) + 1
+        if count == 1 or count % _LOG_EVERY == 0:
+            logger.warning("KVLabDraftProposer falls back to its own prefill (%s, %d so far): %s", kind, count, detail)
+
+
+def observation_window(compressor: Compressor) -> int:
+    """Prompt tokens recomputed on adoption: the compressor's observation window, at least MIN_WINDOW."""
+    return max(MIN_WINDOW, int(getattr(compressor, "window_size", 0) or 0))
+
+
+def handover_tolerance(dtype: torch.dtype) -> float:
+    """How far (relative to a layer's largest magnitude) handed-over KV may be from the drafter's own."""
+    return max(FLOAT32_TOLERANCE, 8 * torch.finfo(dtype).eps)
+
+
+def kv_mismatch(computed: LayerKV, handed: LayerKV) -> str | None:
+    """Why the drafter's keys and values of some tokens are not the pages' (None: within tolerance)."""
+    tolerance = handover_tolerance(computed[0][0].dtype) if computed else FLOAT32_TOLERANCE
+    for layer, (ours, theirs) in enumerate(zip(computed, handed, strict=True)):
+        for name, a, b in (("keys", ours[0], theirs[0]), ("values", ours[1], theirs[1])):
+            if a.shape != b.shape:
+                return f"layer {layer} {name}: shape {tuple(b.shape)}, expected {tuple(a.shape)}"
+            scale = float(a.abs().max()) or 1.0
+            error = float((a.float() - b.float()).abs().max()) / scale
+            if not error <= tolerance:
+                return f"layer {layer} {name} differ by {error:.2e} of their largest magnitude"
+    return None
+
+
+@dataclasses.dataclass(slots=True)
+class SequenceBuilder:
+    """Makes and extends draft caches for one proposer (its model, drafter and stats)."""
+
+    model: LoadedModel
+    drafter: Compressor
+    stats: ProposerStats
+
+    def adopt(self, history: np.ndarray, handover: StepHandover, row: int) -> DraftSequence | None:
+        """A draft cache of `history[:-1]` from row `row`'s pages, or None where the prompt is no longer
+        than the window (a prefill then costs as little) or the drafter scores with every prompt query
+        (it needs the prompt computed whole). Raises HandoverMismatch where the window's KV is not the
+        pages'."""
+        prompt_len = len(history) - 1
+        window = observation_window(self.drafter)
+        if prompt_len <= window or self.drafter.observes_every_query:
+            return None
+        head = prompt_len - window
+        clock = Stopwatch(self.model.device)
+        head_kv = handover.gather(row, 0, head)
+        window_kv = handover.gather(row, head, prompt_len)
+        self.stats.handover_s += clock.elapsed()
+        clock.restart()
+        cache, computed = self._build(history[head:prompt_len], head_kv)
+        problem = kv_mismatch(computed, window_kv)
+        self.stats.adopt_s += clock.elapsed()
+        if problem is not None:
+            raise HandoverMismatch(f"the pages do not hold this prompt's KV: {problem}")
+        self.stats.num_adopted += 1
+        self.stats.num_handover_tokens += head
+        self.stats.num_window_tokens += window
+        return DraftSequence(cache, history[:-1].copy())
+
+    def extend(self, sequence: DraftSequence, history: np.ndarray, handover: StepHandover, row: int) -> bool:
+        """Append the KV of `history[:-1]`'s tokens the cache lacks from the pages (False: the sequence
+        is not a prefix of `history`, the cache cannot serve it). Raises HandoverMismatch where the
+        pages' KV of the sequence's last token is not what the drafter computed for it."""
+        have, need = sequence.cache.seq_lengths[0], len(history) - 1
+        if have > need or len(sequence.token_ids) != have or not np.array_equal(history[:have], sequence.token_ids):
+            return False
+        checked = 1 if sequence.last_kv is not None else 0
+        if have < need or checked:
+            clock = Stopwatch(self.model.device)
+            layer_kv = handover.gather(row, have - checked, need)
+            self.stats.handover_s += clock.elapsed()
+            if sequence.last_kv is not None:
+                first_keys, first_values = layer_kv[0]
+                problem = kv_mismatch([sequence.last_kv], [(first_keys[:, :, :1], first_values[:, :, :1])])
+                if problem is not None:
+                    raise HandoverMismatch(f"the pages do not hold this sequence's last token: {problem}")
+            if have < need:
+                sequence.cache.append([(k[:, :, checked:], v[:, :, checked:]) for k, v in layer_kv], [need - have])
+                self.stats.num_handover_tokens += need - have
+        return True
+
+    def prefill(self, history: np.ndarray) -> DraftSequence:
+        """A draft cache of `history[:-1]` prefilled by the drafter itself."""
+        clock = Stopwatch(self.model.device)
+        cache, _ = self._build(history[:-1], None)
+        self.stats.prefill_s += clock.elapsed()
+        self.stats.num_prefills += 1
+        self.stats.num_prefill_tokens += len(history) - 1
+        return DraftSequence(cache, history[:-1].copy())
+
+    def _build(self, token_ids: np.ndarray, head_kv: LayerKV | None) -> tuple[KVCache, LayerKV]:
+        """A draft cache holding `head_kv`'s tokens then `token_ids` (computed, compressed with the rest),
+        and the computed tokens' keys and values per layer."""
+        model = self.model
+        head = 0 if head_kv is None else head_kv[0][0].shape[2]
+        tokens = torch.from_numpy(np.ascontiguousarray(token_ids)[None]).to(model.device)
+        for compressor in (self.drafter, None):
+            cache = KVCache.allocate(model.architecture, 1, head + tokens.shape[1] + CAPACITY_MARGIN, model.dtype,
+                                     model.device, compressor)
+            if head_kv is not None:
+                cache.append([(k.to(model.device, model.dtype), v.to(model.device, model.dtype)) for k, v in head_kv],
+                             [head])
+            captured: LayerKV = []
+            step = ForwardStep(cache, cache.next_positions(tokens.shape[1], model.device), compressor is not None,
+                               captured)
+            try:
+                run_step(model.model, step, tokens, logits_to_keep=1)
+            except ConfigError:
+                # The drafter refuses this prompt (shorter than its budget): a full cache drafts it instead.
+                if compressor is None:
+                    raise
+                continue
+            return cache, captured
+        raise AssertionError("unreachable: a full cache refuses no prompt")
