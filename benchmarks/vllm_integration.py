@@ -3,7 +3,7 @@ speculative decoding with kvlab's compressed-cache drafter against vLLM's own pr
 
 Usage: .venv-vllm/bin/python benchmarks/vllm_integration.py [--prefix-tokens 4096] [--new-tokens 64]
            [--chunk-tokens 256] [--num-speculative-tokens 4] [--drafter '{"name": "snapkv", "budget": 512}']
-           [--rows ...] [--compile] [--json PATH]
+           [--batch 1] [--rows ...] [--compile] [--json PATH]
 
 Every row runs its engines in fresh processes (vLLM keeps one KV connector per process), on the same
 prompt: the embedded model's document, `--prefix-tokens` long, greedy. Rows:
@@ -15,8 +15,12 @@ prompt: the embedded model's document, `--prefix-tokens` long, greedy. Rows:
   kvlab redis:// exact      ... over a loopback redis-server the benchmark starts
   kvlab redis:// adaptive   ... exact, int8 and int4 stored, kvlab's per-chunk planner picks
   decode: vllm plain / ngram / draft_model (the same SmolLM2 drafting) / kvlab proposer (compressed
-  cache drafting, `--drafter`): tokens/s after the first token, measured within the request itself
-  (vLLM's own first- and last-token timestamps of that request), and vLLM's acceptance counters
+  cache drafting, `--drafter`, from token ids alone) / kvlab proposer + hand-over (the same with
+  KVLabConnector, no store, handing vLLM's KV to the proposer): tokens/s after the first token,
+  measured within the requests themselves (vLLM's own first- and last-token timestamps), and vLLM's
+  acceptance counters. `--batch N` sends N requests at once (the document from N offsets); their
+  decode rate is every token after each first token over the span from the first first token to
+  the last token, and the TTFT column is the wall time until the first first token.
 `ttft_s` is the wall time of a one-token request; `identical` compares the `--new-tokens` greedy tokens
 with the cold engine's; `bytes_per_token` is what the connector stored divided by the tokens it
 covers. The kvlab proposer row adds where its time goes (its own prefill, catch-up, drafting).
@@ -26,6 +30,7 @@ Timings are only comparable within one run on a quiet machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -38,7 +43,10 @@ from typing import Any
 
 CONNECTOR_ROWS = ["vllm cold", "vllm prefix cache", "vllm + ExampleConnector", "kvlab file:// exact",
                   "kvlab redis:// exact", "kvlab redis:// adaptive"]
-DECODE_ROWS = ["decode: vllm plain", "decode: ngram", "decode: draft_model", "decode: kvlab proposer"]
+DECODE_ROWS = ["decode: vllm plain", "decode: ngram", "decode: draft_model", "decode: kvlab proposer",
+               "decode: kvlab proposer + hand-over"]
+# Tokens between the starts of the prompts of a batch (the bundled document read from several offsets).
+BATCH_OFFSET = 256
 ADAPTIVE = ("exact", "int8", "int4")
 
 
@@ -51,7 +59,7 @@ def engine(args: argparse.Namespace, **options: Any) -> Any:
 
     options.setdefault("enable_prefix_caching", False)
     return LLM(model=model_directory(), dtype="float32", max_model_len=args.prefix_tokens + args.new_tokens + 64,
-               enforce_eager=not args.compile, max_num_seqs=1, seed=0, disable_log_stats=False, **options)
+               enforce_eager=not args.compile, max_num_seqs=args.batch, seed=0, disable_log_stats=False, **options)
 
 
 def run(llm: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
@@ -62,17 +70,25 @@ def run(llm: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float]
 def run_timed(llm: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float, float | None]:
     """Greedy tokens, the request's wall time, and its decode time: from its own first token to its last,
     as vLLM's engine stamped them (None when the engine kept no request metrics)."""
+    tokens, total_s, decode_s = run_batch(llm, [prompt], max_tokens)
+    return tokens[0], total_s, decode_s
+
+
+def run_batch(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, float | None]:
+    """Greedy tokens of requests sent at once, their wall time, and their decode span: from the first
+    first token to the last token, as vLLM's engine stamped them (None without request metrics)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     started = time.perf_counter()
-    output = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     total_s = time.perf_counter() - started
-    metrics = getattr(output, "metrics", None)
-    first, last = getattr(metrics, "first_token_ts", 0.0), getattr(metrics, "last_token_ts", 0.0)
-    decode_s = last - first if first and last > first else None
-    return list(output.outputs[0].token_ids), total_s, decode_s
+    stamps = [(getattr(o.metrics, "first_token_ts", 0.0), getattr(o.metrics, "last_token_ts", 0.0))
+              for o in outputs if getattr(o, "metrics", None) is not None]
+    first, last = min((f for f, _ in stamps), default=0.0), max((t for _, t in stamps), default=0.0)
+    decode_s = last - first if len(stamps) == len(outputs) and first and last > first else None
+    return [list(o.outputs[0].token_ids) for o in outputs], total_s, decode_s
 
 
 def warm_up(llm: Any) -> None:
@@ -121,6 +137,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 def decode_child(args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
     from kvlab.integrations.vllm.model import model_directory
 
+    prompts = batch_prompts(args, prompt)
     kind = args.child.removeprefix("decode: ")
     k = args.num_speculative_tokens
     options: dict[str, Any] = {}
@@ -133,10 +150,16 @@ def decode_child(args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
             "model": model_directory(),
             "num_speculative_tokens": k,
         }
-    elif kind == "kvlab proposer":
+    elif kind.startswith("kvlab proposer"):
         os.environ["KVLAB_VLLM_DRAFTER"] = args.drafter
         options["speculative_config"] = {"method": "custom_class", "num_speculative_tokens": k,
                                          "model": "kvlab.integrations.vllm.KVLabDraftProposer"}
+        if kind.endswith("hand-over"):
+            from vllm.config import KVTransferConfig
+
+            options["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="KVLabConnector", kv_role="kv_both", kv_connector_module_path="kvlab.integrations.vllm",
+                kv_connector_extra_config={})
     llm = engine(args, **options)
     warm_up(llm)
     _, ttft_s = run(llm, prompt, 1)
@@ -144,26 +167,38 @@ def decode_child(args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
     before = _counters(llm)
     if proposer is not None:
         proposer.stats = type(proposer.stats)()  # count the measured request only
-    tokens, total_s, decode_s = run_timed(llm, prompt, args.new_tokens)
+    tokens, total_s, decode_s = run_batch(llm, prompts, args.new_tokens)
     after = _counters(llm)
     if decode_s is None:
         raise RuntimeError("vLLM kept no first/last token times for the request (run with disable_log_stats=False)")
-    # Decode time within the measured request itself, first token to last: never its total minus a TTFT
-    # taken in another request (a faster second prefill would shrink the decode time).
+    # Decode time within the measured requests themselves, first token to last: never their total minus a
+    # TTFT taken in another request (a faster second prefill would shrink the decode time).
     result: dict[str, Any] = {"ttft_s": ttft_s, "tokens": tokens, "decode_s": decode_s,
                               "request_ttft_s": total_s - decode_s,
-                              "decode_tokens_per_s": (len(tokens) - 1) / decode_s}
+                              "decode_tokens_per_s": sum(len(t) - 1 for t in tokens) / decode_s}
     drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
     drafted = after.get("num_draft_tokens", 0) - before.get("num_draft_tokens", 0)
     accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
     if drafted:
         result.update(acceptance_rate=accepted / drafted, acceptance_length=1 + accepted / max(drafts, 1))
     if proposer is not None:
-        stats = proposer.stats
-        result["proposer"] = {"total_s": stats.total_s, "prefill_s": stats.prefill_s, "catch_up_s": stats.catch_up_s,
-                              "draft_s": stats.draft_s, "request_wall_s": total_s}
+        result["proposer"] = {**dataclasses.asdict(proposer.stats), "request_wall_s": total_s}
     shutdown(llm)
     return result
+
+
+def batch_prompts(args: argparse.Namespace, prompt: list[int]) -> list[list[int]]:
+    """`--batch` prompts of `--prefix-tokens` each: the bundled document from offsets BATCH_OFFSET apart."""
+    if args.batch == 1:
+        return [prompt]
+    from transformers import AutoTokenizer
+
+    from kvlab.data import document_token_ids
+    from kvlab.integrations.vllm.model import model_directory
+
+    document = document_token_ids(AutoTokenizer.from_pretrained(model_directory()),
+                                  args.prefix_tokens + (args.batch - 1) * BATCH_OFFSET)
+    return [document[i * BATCH_OFFSET:i * BATCH_OFFSET + args.prefix_tokens] for i in range(args.batch)]
 
 
 def _proposer(llm: Any) -> Any:
@@ -189,7 +224,8 @@ def spawn(args: argparse.Namespace, row: str, phase: str, where: str = "") -> di
     command = [sys.executable, __file__, "--child", row, "--phase", phase, "--where", where,
                "--prompt-file", args.prompt_file, "--prefix-tokens", str(args.prefix_tokens),
                "--new-tokens", str(args.new_tokens), "--chunk-tokens", str(args.chunk_tokens),
-               "--num-speculative-tokens", str(args.num_speculative_tokens), "--drafter", args.drafter]
+               "--num-speculative-tokens", str(args.num_speculative_tokens), "--drafter", args.drafter,
+               "--batch", str(args.batch)]
     if args.compile:
         command.append("--compile")
     done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -300,10 +336,13 @@ def parent(args: argparse.Namespace) -> list[dict[str, Any]]:
         server.terminate()
         server.wait()
         shutil.rmtree(workdir, ignore_errors=True)
-    reference = next((r["tokens"] for r in rows if r["setting"] in ("vllm cold", "decode: vllm plain")), None)
+    # Connector rows are held to the cold engine's tokens, decode rows to vLLM plain decoding's.
+    references = {kind: next((r["tokens"] for r in rows if r["setting"] == setting), None)
+                  for kind, setting in (("connector", "vllm cold"), ("decode", "decode: vllm plain"))}
     for row in rows:
-        row["identical"] = None if reference is None else row.pop("tokens") == reference
-        row.pop("tokens", None)
+        reference = references["decode" if row["setting"].startswith("decode:") else "connector"]
+        tokens = row.pop("tokens")
+        row["identical"] = None if reference is None else tokens == reference
     return rows
 
 
@@ -311,11 +350,12 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     cold = next((r["ttft_s"] for r in rows if r["setting"] == "vllm cold"), None)
     example = next((r["bytes_per_token"] for r in rows if r["setting"] == "vllm + ExampleConnector"), None)
     plain = next((r["decode_tokens_per_s"] for r in rows if r["setting"] == "decode: vllm plain"), None)
+    plain_ttft = next((r.get("request_ttft_s") for r in rows if r["setting"] == "decode: vllm plain"), None)
     print(
-        "| setting | TTFT s | TTFT / cold | bytes/token | bytes / Example | decode tok/s | / plain "
-        "| acceptance | identical |"
+        "| setting | TTFT s | TTFT / cold | in-request TTFT s | / plain | bytes/token | bytes / Example "
+        "| decode tok/s | / plain | acceptance | identical |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         def ratio(value: float | None, base: float | None) -> str:
             return f"{value / base:.2f}x" if value is not None and base else "-"
@@ -323,17 +363,23 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         bytes_text = f"{r['bytes_per_token']:.0f}" if r["bytes_per_token"] is not None else "-"
         decode = r["decode_tokens_per_s"]
         acceptance = f"{r['acceptance_rate']:.2f} (len {r['acceptance_length']:.2f})" if "acceptance_rate" in r else "-"
+        in_request = r.get("request_ttft_s")
         print(
-            f"| {r['setting']} | {r['ttft_s']:.2f} | {ratio(r['ttft_s'], cold)} | {bytes_text} | "
-            f"{ratio(r['bytes_per_token'], example)} | {f'{decode:.2f}' if decode else '-'} | {ratio(decode, plain)} | "
-            f"{acceptance} | {r['identical']} |"
+            f"| {r['setting']} | {r['ttft_s']:.2f} | {ratio(r['ttft_s'], cold)} | "
+            f"{f'{in_request:.2f}' if in_request is not None else '-'} | {ratio(in_request, plain_ttft)} | "
+            f"{bytes_text} | {ratio(r['bytes_per_token'], example)} | {f'{decode:.2f}' if decode else '-'} | "
+            f"{ratio(decode, plain)} | {acceptance} | {r['identical']} |"
         )
     for r in rows:
         if "proposer" in r:
             p = r["proposer"]
-            print(f"\nkvlab proposer, measured request ({p['request_wall_s']:.2f} s wall): proposer "
-                  f"{p['total_s']:.2f} s = its own prefill {p['prefill_s']:.2f} + catch-up {p['catch_up_s']:.2f} "
-                  f"+ drafting {p['draft_s']:.2f} (+ bookkeeping)")
+            parts = p["handover_s"] + p["adopt_s"] + p["prefill_s"] + p["draft_s"]
+            print(f"\n{r['setting']}, measured requests ({p['request_wall_s']:.2f} s wall): proposer "
+                  f"{p['total_s']:.2f} s = page reads {p['handover_s']:.2f} + adopting prompts (window, compression, "
+                  f"check) {p['adopt_s']:.2f} + its own prefill {p['prefill_s']:.2f} + drafting {p['draft_s']:.2f} "
+                  f"+ bookkeeping {p['total_s'] - parts:.2f}; {p['num_adopted']} prompts adopted, "
+                  f"{p['num_prefills']} prefilled, {p['num_handover_tokens']} tokens' KV from the pages, "
+                  f"fallbacks {p['fallbacks'] or 'none'}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafter", default='{"name": "snapkv", "budget": 512}', help="kvlab compressor, JSON")
     parser.add_argument("--rows", nargs="+", default=CONNECTOR_ROWS + DECODE_ROWS, choices=CONNECTOR_ROWS + DECODE_ROWS,
                         help="rows to run (default: all; 'vllm cold' is the reference of the others)")
+    parser.add_argument("--batch", type=int, default=1, help="decode rows: requests sent at once")
     parser.add_argument("--compile", action="store_true", help="let vLLM compile the model (default: eager)")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--child", help=argparse.SUPPRESS)

@@ -227,7 +227,7 @@ class ServeEngine:
             if request.last_token_s is not None:
                 self.metrics.e2e.observe(request.last_token_s - request.arrival_s)
             if request.rounds is not None:
-                self.metrics.num_drafts.inc(request.rounds.rounds)
+                self.metrics.num_drafts.inc(request.rounds.num_drafting_rounds)
                 self.metrics.num_draft_tokens.inc(request.rounds.num_draft_tokens)
                 self.metrics.num_accepted_tokens.inc(request.rounds.num_accepted_tokens)
             self.metrics.finished("stop" if output.stop_reason in ("eos", "stop_string") else output.stop_reason)

@@ -57,7 +57,8 @@ class ServeMetrics:
         self.prefix_recomputed_tokens = counter("kvlab:prefix_recomputed_tokens", "Prompt tokens computed by prefill.")
         self.num_draft_tokens = counter("kvlab:spec_decode_num_draft_tokens", "Tokens drafted (lossless mode).")
         self.num_accepted_tokens = counter("kvlab:spec_decode_num_accepted_tokens", "Drafted tokens accepted.")
-        self.num_drafts = counter("kvlab:spec_decode_num_drafts", "Draft/verify rounds.")
+        # vLLM's meaning: proposals made. A round that stood aside (drafted nothing) is a plain step.
+        self.num_drafts = counter("kvlab:spec_decode_num_drafts", "Draft/verify rounds that drafted a token.")
         self.ttft = histogram("kvlab:time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
         self.itl = histogram(
             "kvlab:inter_token_latency_seconds",

@@ -66,9 +66,11 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def vllm_named_lossless_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    """Lossless for every request (server-wide), with the counters also under vLLM's names."""
+    """Lossless for every request (server-wide), with the counters also under vLLM's names. A fixed draft
+    length: under `auto` a sequence may stand aside (draft nothing) whenever drafting does not pay on a
+    loaded machine, and this test is about the counters, not that choice."""
     workdir = tmp_path_factory.mktemp("clients-serve-vllm-names")
-    process = ServeProcess(workdir, "--lossless", "--metrics-prefix", "vllm")
+    process = ServeProcess(workdir, "--lossless", "--num-draft-tokens", "4", "--metrics-prefix", "vllm")
     yield process
     process.stop()
 

@@ -99,7 +99,8 @@ def test_chat_needs_a_chat_template(client: TestClient) -> None:
 
 
 def test_metrics_parse_with_prometheus_clients_parser(client: TestClient) -> None:
-    client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "kvlab": {"mode": "lossless"}})
+    lossless = {"mode": "lossless", "draft_length": 2}
+    client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "kvlab": lossless})
     reply = client.get("/metrics")
     samples = {s.name: s.value for family in text_string_to_metric_families(reply.text) for s in family.samples}
     assert samples["kvlab:generation_tokens_total"] >= 3
@@ -207,3 +208,16 @@ def test_the_parser_bounds_depth_values_and_numbers(raw: bytes, message: str | N
         return
     with pytest.raises(BodyError, match=message):
         parse_body(raw)
+
+
+def test_rounds_that_draft_nothing_are_not_counted_as_drafts(client: TestClient) -> None:
+    def drafts() -> tuple[float, float]:
+        text = client.get("/metrics").text
+        samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+        return samples["kvlab:spec_decode_num_drafts_total"], samples["kvlab:spec_decode_num_draft_tokens_total"]
+
+    before = drafts()
+    # The prefill gives the first token; the one left is a round with nothing to draft (vLLM counts none).
+    reply = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "kvlab": {"mode": "lossless"}})
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
+    assert drafts() == before
