@@ -3,7 +3,7 @@ speculative decoding with kvlab's compressed-cache drafter against vLLM's own pr
 
 Usage: .venv-vllm/bin/python benchmarks/vllm_integration.py [--prefix-tokens 4096] [--new-tokens 64]
            [--chunk-tokens 256] [--num-speculative-tokens 4] [--drafter '{"name": "snapkv", "budget": 512}']
-           [--batch 1] [--rows ...] [--compile] [--json PATH]
+           [--batch 1] [--draft-weights same|bf16|int8] [--rows ...] [--compile] [--json PATH]
 
 Every row runs its engines in fresh processes (vLLM keeps one KV connector per process), on the same
 prompt: the embedded model's document, `--prefix-tokens` long, greedy. Rows:
@@ -152,6 +152,7 @@ def decode_child(args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
         }
     elif kind.startswith("kvlab proposer"):
         os.environ["KVLAB_VLLM_DRAFTER"] = args.drafter
+        os.environ["KVLAB_VLLM_DRAFT_WEIGHTS"] = args.draft_weights
         options["speculative_config"] = {"method": "custom_class", "num_speculative_tokens": k,
                                          "model": "kvlab.integrations.vllm.KVLabDraftProposer"}
         if kind.endswith("hand-over"):
@@ -225,7 +226,7 @@ def spawn(args: argparse.Namespace, row: str, phase: str, where: str = "") -> di
                "--prompt-file", args.prompt_file, "--prefix-tokens", str(args.prefix_tokens),
                "--new-tokens", str(args.new_tokens), "--chunk-tokens", str(args.chunk_tokens),
                "--num-speculative-tokens", str(args.num_speculative_tokens), "--drafter", args.drafter,
-               "--batch", str(args.batch)]
+               "--batch", str(args.batch), "--draft-weights", args.draft_weights]
     if args.compile:
         command.append("--compile")
     done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -392,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="+", default=CONNECTOR_ROWS + DECODE_ROWS, choices=CONNECTOR_ROWS + DECODE_ROWS,
                         help="rows to run (default: all; 'vllm cold' is the reference of the others)")
     parser.add_argument("--batch", type=int, default=1, help="decode rows: requests sent at once")
+    parser.add_argument("--draft-weights", default="same", choices=["same", "bf16", "int8"],
+                        help="kvlab proposer rows: the weights that draft (KVLAB_VLLM_DRAFT_WEIGHTS)")
     parser.add_argument("--compile", action="store_true", help="let vLLM compile the model (default: eager)")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--child", help=argparse.SUPPRESS)

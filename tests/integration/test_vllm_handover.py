@@ -272,3 +272,22 @@ def test_every_drafter_drafts_from_a_hand_over(tiny: LoadedModel, name: str) -> 
     assert (handed.stats.num_adopted, handed.stats.num_prefills) == ((0, 1) if every_query else (1, 0))
     # The pages hold kvlab's own KV here, so an adopted prompt drafts exactly as a prefilled one.
     assert drafts == propose(prefilled, [history], None)
+
+
+def test_a_lookup_round_drafts_no_forward_and_the_cache_catches_up_from_the_pages(tiny: LoadedModel) -> None:
+    from kvlab.lossless.prompt_lookup import PromptLookup, find_continuation
+
+    proposer = proposer_for(tiny, "snapkv", compression_ratio=0.0)
+    proposer.lookup = PromptLookup()
+    pages = Pages(tiny)
+    history = PROMPTS[1][:30] * 2 + [PROMPTS[1][30]]
+    drafts = propose(proposer, [history], pages.step([pages.write("a", history[:-1])]))
+    assert drafts[0] == find_continuation(history, NUM_SPECULATIVE_TOKENS, PromptLookup()) != []
+    assert proposer.stats.num_draft_forwards == 0 and proposer.stats.num_lookup_rounds == 1
+    # The lookup measured 1 token a round, the cache is expected to emit 5: the cache drafts next.
+    proposer.costs.step_s, proposer.costs.draft_forward_s = 0.1, 0.01
+    grown = history + [PROMPTS[1][31]]  # the repetition goes on: the lookup has a proposal again
+    assert find_continuation(grown, NUM_SPECULATIVE_TOKENS, PromptLookup())
+    drafts = propose(proposer, [grown], pages.step([pages.write("a", grown[:-1])]))
+    assert drafts[0] == greedy_continuation(tiny, grown, NUM_SPECULATIVE_TOKENS)
+    assert proposer.stats.num_draft_forwards == NUM_SPECULATIVE_TOKENS and proposer.stats.fallbacks == {}

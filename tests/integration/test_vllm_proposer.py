@@ -106,7 +106,11 @@ def test_a_prompt_shorter_than_the_budget_drafts_from_a_full_cache(tiny: LoadedM
 
 def test_the_drafter_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DRAFTER_ENV, '{"name": "streamingllm", "budget": 64}')
-    assert drafter_from_environment().to_dict()["budget"] == 64
+    compressor, lookup = drafter_from_environment()
+    assert compressor.to_dict()["budget"] == 64 and lookup is None
+    monkeypatch.setenv(DRAFTER_ENV, '{"name": "ngram+snapkv", "budget": 32}')
+    compressor, lookup = drafter_from_environment()
+    assert compressor.to_dict()["budget"] == 32 and lookup is not None
     monkeypatch.setenv(DRAFTER_ENV, "snapkv")
     with pytest.raises(ConfigError, match=DRAFTER_ENV):
         drafter_from_environment()
@@ -326,3 +330,20 @@ def test_a_faulty_hand_over_in_vllm_falls_back_with_identical_output(
     assert got == expected
     assert proposer.stats.num_adopted == 0 and proposer.stats.num_prefills >= 1
     assert sum(proposer.stats.fallbacks.values()) >= 1
+
+
+@pytest.mark.integration
+def test_prompt_lookup_composed_with_the_cache_keeps_greedy_output(handover_engine: Any, document: list[int]) -> None:
+    from kvlab.lossless.prompt_lookup import PromptLookup
+
+    proposer = proposer_of(handover_engine)
+    proposer.drafter, proposer.lookup = create_compressor("snapkv", budget=64), PromptLookup()
+    proposer.stats = type(proposer.stats)()
+    try:
+        # A prompt that repeats itself: the lookup finds what follows.
+        prompts = [document[:150] * 2, document[400:600]]
+        got, expected = decode_both(handover_engine, prompts, [40, 40])
+    finally:
+        proposer.lookup = None
+    assert got == expected
+    assert proposer.stats.num_lookup_rounds > 0 and proposer.stats.num_draft_forwards > 0

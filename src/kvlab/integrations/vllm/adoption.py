@@ -21,7 +21,9 @@ from kvlab.cache.step import ForwardStep, run_step
 from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
 from kvlab.integrations.vllm.handover import LayerKV, StepHandover
+from kvlab.integrations.vllm.sources import SourceRecord
 from kvlab.models import LoadedModel
+from kvlab.models.draft_weights import DraftWeights
 from kvlab.timing import Stopwatch
 
 logger = logging.getLogger("kvlab.integrations.vllm.proposer")
@@ -36,6 +38,9 @@ MIN_WINDOW = 32
 # (tests/integration/test_vllm_proposer.py): at most 2.6e-6. Half-precision types, not measured, get 8
 # steps of their precision.
 FLOAT32_TOLERANCE = 1e-4
+# The same for a token whose KV cheaper draft weights computed (int8 or bf16 linear layers): only a
+# check that the pages hold that token at that position (another token or position differs by ~1).
+DRAFT_WEIGHTS_TOLERANCE = 0.1
 # A fallback of one kind is logged the first time and then every this many times.
 _LOG_EVERY = 100
 
@@ -58,6 +63,7 @@ class DraftSequence:
     cache: KVCache
     token_ids: np.ndarray
     last_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+    sources: SourceRecord = dataclasses.field(default_factory=SourceRecord)
 
 
 @dataclasses.dataclass(slots=True)
@@ -79,6 +85,7 @@ class ProposerStats:
     num_catch_up_tokens: int = 0
     num_draft_tokens: int = 0
     num_draft_forwards: int = 0
+    num_lookup_rounds: int = 0
     handover_s: float = 0.0
     adopt_s: float = 0.0
     prefill_s: float = 0.0
@@ -103,9 +110,11 @@ def handover_tolerance(dtype: torch.dtype) -> float:
     return max(FLOAT32_TOLERANCE, 8 * torch.finfo(dtype).eps)
 
 
-def kv_mismatch(computed: LayerKV, handed: LayerKV) -> str | None:
-    """Why the drafter's keys and values of some tokens are not the pages' (None: within tolerance)."""
-    tolerance = handover_tolerance(computed[0][0].dtype) if computed else FLOAT32_TOLERANCE
+def kv_mismatch(computed: LayerKV, handed: LayerKV, tolerance: float | None = None) -> str | None:
+    """Why the drafter's keys and values of some tokens are not the pages' (None: within `tolerance`,
+    by default `handover_tolerance` of their dtype)."""
+    if tolerance is None:
+        tolerance = handover_tolerance(computed[0][0].dtype) if computed else FLOAT32_TOLERANCE
     for layer, (ours, theirs) in enumerate(zip(computed, handed, strict=True)):
         for name, a, b in (("keys", ours[0], theirs[0]), ("values", ours[1], theirs[1])):
             if a.shape != b.shape:
@@ -124,6 +133,7 @@ class SequenceBuilder:
     model: LoadedModel
     drafter: Compressor
     stats: ProposerStats
+    draft_weights: DraftWeights = "same"
 
     def adopt(self, history: np.ndarray, handover: StepHandover, row: int) -> DraftSequence | None:
         """A draft cache of `history[:-1]` from row `row`'s pages, or None where the prompt is no longer
@@ -164,12 +174,14 @@ class SequenceBuilder:
             self.stats.handover_s += clock.elapsed()
             if sequence.last_kv is not None:
                 first_keys, first_values = layer_kv[0]
-                problem = kv_mismatch([sequence.last_kv], [(first_keys[:, :, :1], first_values[:, :, :1])])
+                tolerance = None if self.draft_weights == "same" else DRAFT_WEIGHTS_TOLERANCE
+                problem = kv_mismatch([sequence.last_kv], [(first_keys[:, :, :1], first_values[:, :, :1])], tolerance)
                 if problem is not None:
                     raise HandoverMismatch(f"the pages do not hold this sequence's last token: {problem}")
             if have < need:
                 sequence.cache.append([(k[:, :, checked:], v[:, :, checked:]) for k, v in layer_kv], [need - have])
                 self.stats.num_handover_tokens += need - have
+        sequence.token_ids, sequence.last_kv = history[:need].copy(), None
         return True
 
     def prefill(self, history: np.ndarray) -> DraftSequence:

@@ -24,8 +24,10 @@ tokens through the drafter.
 
 vLLM's model module cannot attend over a kvlab cache, so the checkpoint is loaded a second time into
 transformers modules with kvlab attention (docs/vllm.md). The drafter is any kvlab compressor, chosen
-by `KVLAB_VLLM_DRAFTER` (JSON `{"name": ..., **params}`, default `{"name": "snapkv"}`): vLLM passes a
-custom proposer nothing but its config.
+by `KVLAB_VLLM_DRAFTER` (JSON `{"name": ..., **params}`, default `{"name": "snapkv"}`), and the
+weights it drafts with by `KVLAB_VLLM_DRAFT_WEIGHTS` (`same`, `bf16` or `int8`: a copy whose linear
+layers read a quarter of the bytes on a CPU; default `same`): vLLM passes a custom proposer nothing
+but its config. Prompts' windows and prefills always run with the served weights.
 """
 
 from __future__ import annotations
@@ -44,23 +46,28 @@ from kvlab.errors import ConfigError
 from kvlab.integrations.vllm.adoption import DraftSequence, HandoverMismatch, ProposerStats, SequenceBuilder
 from kvlab.integrations.vllm.handover import BOARD, LayerKV, StepHandover, engine_key
 from kvlab.integrations.vllm.model import served_model, transformers_model
+from kvlab.integrations.vllm.sources import DraftCosts, running_mean
+from kvlab.lossless.prompt_lookup import PromptLookup, find_continuation, split_drafter_name
 from kvlab.models import LoadedModel
+from kvlab.models.draft_weights import DRAFT_WEIGHTS, DraftWeights, draft_model
 from kvlab.timing import Stopwatch
 
-__all__ = ["DEFAULT_DRAFTER", "DRAFTER_ENV", "DraftSequence", "KVLabDraftProposer", "ProposerStats",
-           "drafter_from_environment"]
+__all__ = ["DEFAULT_DRAFTER", "DRAFTER_ENV", "DRAFT_WEIGHTS_ENV", "DraftSequence", "KVLabDraftProposer",
+           "ProposerStats", "draft_weights_from_environment", "drafter_from_environment"]
 
 logger = logging.getLogger(__name__)
 
 DRAFTER_ENV = "KVLAB_VLLM_DRAFTER"
+DRAFT_WEIGHTS_ENV = "KVLAB_VLLM_DRAFT_WEIGHTS"
 DEFAULT_DRAFTER: dict[str, Any] = {"name": "snapkv"}
 # Sequences kept without being seen in a step when they are found by token prefix (no request ids):
 # a preempted request that comes back finds its cache.
 _MAX_IDLE_SEQUENCES = 8
 
 
-def drafter_from_environment() -> Compressor:
-    """The compressor `KVLAB_VLLM_DRAFTER` names (JSON), or SnapKV with its defaults."""
+def drafter_from_environment() -> tuple[Compressor, PromptLookup | None]:
+    """The compressor `KVLAB_VLLM_DRAFTER` names (JSON), or SnapKV with its defaults, and the prompt
+    lookup its name composes it with (`ngram+snapkv`), if any."""
     text = os.environ.get(DRAFTER_ENV)
     try:
         spec = json.loads(text) if text else dict(DEFAULT_DRAFTER)
@@ -68,7 +75,16 @@ def drafter_from_environment() -> Compressor:
         raise ConfigError(f"{DRAFTER_ENV} must be JSON like {{\"name\": \"snapkv\"}}, got {text!r}: {error}") from None
     if not isinstance(spec, dict):
         raise ConfigError(f"{DRAFTER_ENV} must be a JSON object with a 'name', got {text!r}")
-    return compressors.from_dict(spec)
+    lookup, name = split_drafter_name(str(spec.get("name", "")))
+    return compressors.from_dict({**spec, "name": name}), lookup
+
+
+def draft_weights_from_environment() -> DraftWeights:
+    """The draft weights `KVLAB_VLLM_DRAFT_WEIGHTS` names (`same` when unset)."""
+    weights = os.environ.get(DRAFT_WEIGHTS_ENV) or "same"
+    if weights not in DRAFT_WEIGHTS:
+        raise ConfigError(f"{DRAFT_WEIGHTS_ENV} must be one of {', '.join(DRAFT_WEIGHTS)}, got {weights!r}")
+    return weights  # type: ignore[return-value]
 
 
 class KVLabDraftProposer:
@@ -76,25 +92,32 @@ class KVLabDraftProposer:
 
     Args:
         vllm_config: The engine's config (vLLM passes nothing else).
-        drafter: The compressor whose cache drafts (default: from `KVLAB_VLLM_DRAFTER`).
+        drafter: The compressor whose cache drafts (default, with `lookup`: from `KVLAB_VLLM_DRAFTER`).
+        draft_weights: The weights that draft (default: from `KVLAB_VLLM_DRAFT_WEIGHTS`).
+        lookup: Prompt lookup composed with the compressed cache (with an explicit `drafter`).
     """
 
-    def __init__(self, vllm_config: Any, drafter: Compressor | None = None) -> None:
+    def __init__(self, vllm_config: Any, drafter: Compressor | None = None,
+                 draft_weights: DraftWeights | None = None, lookup: PromptLookup | None = None) -> None:
         self.num_speculative_tokens = int(vllm_config.speculative_config.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.directory, self.dtype = served_model(vllm_config)
-        self.drafter = drafter or drafter_from_environment()
+        self.drafter, self.lookup = (drafter, lookup) if drafter is not None else drafter_from_environment()
+        self.draft_weights = draft_weights or draft_weights_from_environment()
         self.engine = engine_key(vllm_config)
         self.model: LoadedModel | None = None
         self.by_request: dict[str, DraftSequence] = {}
         self.by_prefix: list[DraftSequence] = []
         self.untrusted: set[str] = set()
         self.stats = ProposerStats()
+        self.costs = DraftCosts()
+        self._since_propose: Stopwatch | None = None
         self._said_no_handover = False
 
     def load_model(self, target_model: Any = None) -> None:
         """Load the served checkpoint for kvlab's attention (vLLM's module cannot use a kvlab cache)."""
         self.model = transformers_model(self.directory, self.dtype)
+        draft_model(self.model.model, self.draft_weights)  # made once now, not in the first step
         target_vocab = getattr(getattr(target_model, "config", None), "vocab_size", None)
         if target_vocab is not None and target_vocab != self.model.model.config.vocab_size:
             raise ConfigError(f"KVLabDraftProposer: the drafter's vocabulary ({self.model.model.config.vocab_size}) "
@@ -103,7 +126,7 @@ class KVLabDraftProposer:
     @property
     def builder(self) -> SequenceBuilder:
         assert self.model is not None, "vLLM calls load_model before propose"
-        return SequenceBuilder(self.model, self.drafter, self.stats)
+        return SequenceBuilder(self.model, self.drafter, self.stats, self.draft_weights)
 
     def propose(
         self,
@@ -121,6 +144,8 @@ class KVLabDraftProposer:
             slot_mappings: vLLM's KV slots (unused: the hand-over names each row's blocks).
         """
         clock = Stopwatch(self.model.device if self.model is not None else "cpu")
+        if self._since_propose is not None:
+            self.costs.step_s = running_mean(self.costs.step_s, self._since_propose.elapsed())
         handover = self._take_handover()
         rows, histories, sequences = [], [], []
         for row, sampled in enumerate(sampled_token_ids):
@@ -128,9 +153,11 @@ class KVLabDraftProposer:
             if not sampled or num_tokens + self.num_speculative_tokens >= self.max_model_len:
                 continue
             history = np.asarray(token_ids_cpu[row, :num_tokens], dtype=np.int64)
+            sequence = self._sequence_for(row, history, handover)
+            sequence.sources.record(len(sampled))
             rows.append(row)
             histories.append(history)
-            sequences.append(self._sequence_for(row, history, handover))
+            sequences.append(sequence)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for row, drafted in zip(rows, self._draft(sequences, histories), strict=True):
             drafts[row] = drafted
@@ -139,6 +166,7 @@ class KVLabDraftProposer:
             self.by_prefix = [s for s in sequences if s in self.by_prefix] + idle[:_MAX_IDLE_SEQUENCES]
         self.stats.num_calls += 1
         self.stats.total_s += clock.elapsed()
+        self._since_propose = Stopwatch(self.model.device if self.model is not None else "cpu")
         return drafts
 
     def _take_handover(self) -> StepHandover | None:
@@ -210,12 +238,28 @@ class KVLabDraftProposer:
         return best
 
     def _draft(self, sequences: list[DraftSequence], histories: list[np.ndarray]) -> list[list[int]]:
+        """Each row's drafts: its prompt lookup's where that is expected to pay more, the compressed
+        cache's otherwise."""
+        drafts: list[list[int] | None] = [None] * len(sequences)
+        k = self.num_speculative_tokens
+        for index, (sequence, history) in enumerate(zip(sequences, histories, strict=True)):
+            proposal = find_continuation(history.tolist(), k, self.lookup) if self.lookup is not None else []
+            if proposal and sequence.sources.takes_lookup(self.costs, k):
+                drafts[index], sequence.sources.pending = proposal, "lookup"
+                self.stats.num_lookup_rounds += 1
+        cache_rows = [index for index, drafted in enumerate(drafts) if drafted is None]
+        from_cache = self._draft_from_caches([sequences[i] for i in cache_rows], [histories[i] for i in cache_rows])
+        for index, drafted in zip(cache_rows, from_cache, strict=True):
+            drafts[index], sequences[index].sources.pending = drafted, "cache"
+        return [drafted or [] for drafted in drafts]
+
+    def _draft_from_caches(self, sequences: list[DraftSequence], histories: list[np.ndarray]) -> list[list[int]]:
         """Feed each history's tokens its cache lacks, draft greedily (one packed forward per draft
         position for every row), then drop the drafts' KV again."""
         if not sequences:
             return []
         assert self.model is not None
-        model = self.model.model
+        model = draft_model(self.model.model, self.draft_weights)
         clock = Stopwatch(self.model.device)
         feeds = [history[sequence.cache.seq_lengths[0]:].tolist() for sequence, history in zip(sequences, histories,
                                                                                                  strict=True)]
@@ -254,8 +298,10 @@ class KVLabDraftProposer:
         segments = [Segment(sequence.cache, len(feed), layer_kv)
                     for sequence, feed, layer_kv in zip(sequences, feeds, kept, strict=True)]
         ends = np.cumsum([len(feed) for feed in feeds]) - 1
+        clock = Stopwatch(self.model.device if self.model is not None else "cpu")
         with torch.inference_mode():
             logits = run_packed(model, segments, feeds, ends.tolist())
+        self.costs.draft_forward_s = running_mean(self.costs.draft_forward_s, clock.elapsed())
         self.stats.num_draft_forwards += 1
         return logits.argmax(dim=-1).tolist()
 
