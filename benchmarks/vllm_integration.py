@@ -167,7 +167,11 @@ def decode_child(args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
     proposer = _proposer(llm)
     before = _counters(llm)
     if proposer is not None:
-        proposer.stats = type(proposer.stats)()  # count the measured request only
+        # Count the measured requests only, and start them without the draft caches of the TTFT request
+        # (the token-only path would find its sequence again by prefix and skip its own prefill).
+        proposer.stats = type(proposer.stats)()
+        proposer.by_prefix.clear()
+        proposer.by_request.clear()
     tokens, total_s, decode_s = run_batch(llm, prompts, args.new_tokens)
     after = _counters(llm)
     if decode_s is None:

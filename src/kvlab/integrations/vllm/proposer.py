@@ -15,7 +15,9 @@ come with their request ids and vLLM's pages (`kvlab.integrations.vllm.handover`
   (`observes_every_query`: H2O, query-agnostic SnapKV) has its prompts prefilled by the drafter;
 - the tokens vLLM accepted reach the draft cache from the pages, not from a catch-up forward;
 - draft caches are kept by request id and freed when vLLM says the request finished;
-- the draft forwards of all rows run packed: one forward per draft position reads the weights once.
+- the draft forwards of all rows run packed: one forward per draft position reads the weights once;
+- with an `ngram+<compressor>` drafter, a row proposes its prompt lookup's continuation (no forward)
+  when that is expected to emit more tokens per second than the compressed cache (`sources.py`).
 
 Without the connector (or where it cannot hand over: several KV cache groups, an unmapped page
 layout) the proposer says so once and works from token ids alone: it prefills each new sequence
