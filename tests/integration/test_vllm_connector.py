@@ -240,3 +240,19 @@ def test_a_store_that_goes_down_is_skipped_with_one_log_line(
         again, reused_again = greedy(engine, prompt)
     assert (output, reused) == (first, 0) and (again, reused_again) == (first, 0)
     assert len(kvlab_store_warnings(caplog)) == 1, kvlab_store_warnings(caplog)
+
+
+def test_without_a_store_the_connector_only_hands_over_and_prefix_settings_need_one() -> None:
+    import types
+
+    from kvlab.errors import ConfigError
+    from kvlab.integrations.vllm.connector import prefix_cache_for
+
+    def config(extra: dict[str, object]) -> object:
+        return types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config=extra))
+
+    assert prefix_cache_for(config({})) is None  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="no 'store' URL for the prefix settings"):
+        prefix_cache_for(config({"chunk_tokens": 64}))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="unknown key 'stor'"):
+        prefix_cache_for(config({"stor": "redis://x"}))  # type: ignore[arg-type]

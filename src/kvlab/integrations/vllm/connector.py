@@ -11,10 +11,11 @@ Where the work happens:
   arrived intact: every fault (missing, corrupted, foreign or unauthenticated chunk, store down)
   has already shortened the prefix, with one log line, and vLLM computes the rest itself.
 - Worker: before each attention layer runs (`wait_for_layer_load`) the restored keys and values of
-  that layer are written into its pages; after the step (`wait_for_save`) the prompt's newly
-  completed chunks are copied out of the pages and written by a background thread, and the step's
-  rows and pages are handed to `KVLabDraftProposer` in the same process (`kvlab.integrations.vllm.handover`),
-  so the drafter reads the target's KV instead of computing it again.
+  that layer are written into its pages; after the last layer (`save_kv_layer`) the step's rows and
+  pages are handed to `KVLabDraftProposer` in the same process (`kvlab.integrations.vllm.handover`),
+  so the drafter reads the target's KV instead of computing it again; after the step
+  (`wait_for_save`) the prompt's newly completed chunks are copied out of the pages and written by a
+  background thread.
 
 Configuration is `kv_connector_extra_config`: `store` (a kvlab store URL) plus any `PrefixConfig`
 field (`chunk_tokens`, `write`, `fetch`, `allow_recompute`, `cache_salt`, ...). Unknown keys are errors.
@@ -270,7 +271,7 @@ class KVLabConnector(KVConnectorBase_V1):
             return
         try:
             self._page_layout()
-        except UnknownBlockLayoutError as error:
+        except (UnknownBlockLayoutError, ConfigError) as error:
             logger.warning("KVLabConnector hands no KV to the proposer: %s", error)
             self._hands_over = False
             return
