@@ -49,7 +49,7 @@ class HandoverMismatch(Exception):
     """The pages do not hold the KV the drafter computes for the same tokens."""
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class DraftSequence:
     """A sequence's compressed draft cache and the token ids it has consumed (`[n]` int64).
 

@@ -146,20 +146,25 @@ class KVLabDraftProposer:
             slot_mappings: vLLM's KV slots (unused: the hand-over names each row's blocks).
         """
         clock = Stopwatch(self.model.device if self.model is not None else "cpu")
-        if self._since_propose is not None:
-            self.costs.step_s = running_mean(self.costs.step_s, self._since_propose.elapsed())
+        since_last_s = self._since_propose.elapsed() if self._since_propose is not None else None
         handover = self._take_handover()
         rows, histories, sequences = [], [], []
+        verified = False
         for row, sampled in enumerate(sampled_token_ids):
             num_tokens = int(num_tokens_no_spec[row])
             if not sampled or num_tokens + self.num_speculative_tokens >= self.max_model_len:
                 continue
             history = np.asarray(token_ids_cpu[row, :num_tokens], dtype=np.int64)
             sequence = self._sequence_for(row, history, handover)
+            verified |= sequence.sources.pending is not None
             sequence.sources.record(len(sampled))
             rows.append(row)
             histories.append(history)
             sequences.append(sequence)
+        if verified and since_last_s is not None:
+            # vLLM's step, measured only across a step that verified drafts of the last call: idle time
+            # between requests and a new request's prefill are not what a round costs.
+            self.costs.step_s = running_mean(self.costs.step_s, since_last_s)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for row, drafted in zip(rows, self._draft(sequences, histories), strict=True):
             drafts[row] = drafted
