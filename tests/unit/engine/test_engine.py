@@ -267,6 +267,20 @@ def test_each_request_keeps_its_own_prefix_draft_and_prefix_draft_chunks(model: 
         assert engine.output(request_id).token_ids == expected
 
 
+@pytest.mark.parametrize("drafter", ["h2o", "snapkv_agnostic"])
+def test_a_drafter_that_scores_with_every_prompt_query_prefills_instead_of_a_remote_start(
+    model: LoadedModel, drafter: str
+) -> None:
+    # A remote start computes only the prompt's last tokens on the low-bit prefix: these compressors need
+    # the queries of the whole prompt, so the request is prefilled as usual.
+    prompt = [(3 * i + 2) % 90 + 3 for i in range(80)]
+    prefix = stored_prefix(model, [prompt], write=("exact", "int4"))
+    config = GenerationConfig(max_new_tokens=10, ignore_eos=True, prefill_chunk_tokens=CHUNK)
+    engine = Engine(model, prefixes=SinglePrefixSource(prefix))
+    ids = run(engine, [Request(prompt, config, lossless=lossless(drafter, prefix_draft="int4"))])
+    assert engine.output(ids[0]).token_ids == reference(model, prompt, config)
+
+
 # ----- fetch-aware admission (moved from the removed FetchAwareScheduler's tests)
 
 
