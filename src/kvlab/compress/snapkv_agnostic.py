@@ -29,6 +29,10 @@ class SnapKVAgnosticCompressor(SnapKVCompressor):
 
     Hyper-parameters and their checks are SnapKV's; only the scoring differs.
 
+    A prompt whose queries are observed only for its last tokens (prefilled in pieces, or completed
+    after KV restored from a store) spreads the positions over the observed tokens, or scores as SnapKV
+    when none of them precedes the kept window.
+
     Deviations from SnapKV:
     - the observation window is spread over the context, not the prompt's end (the point of the
       variant; SCBench's query-agnostic setting, without KVzip's extra reconstruction forward);
@@ -45,8 +49,16 @@ class SnapKVAgnosticCompressor(SnapKVCompressor):
         scores = torch.full((keys.shape[0], keys.shape[1]), ALWAYS_KEEP, device=keys.device)
         if num_context == 0:
             return scores
-        positions = observation_positions(num_context, self.window_size, keys.device)
-        attention = attention_from_positions(queries[:, positions], keys[:, :num_context], positions, context.scaling)
+        # The queries cover the prompt's last tokens only when its first tokens' KV came from elsewhere or
+        # it was prefilled in pieces: observe from the positions they cover, or, when none of them lies
+        # before the kept window, score as SnapKV does from the last queries.
+        first_observed = keys.shape[1] - queries.shape[1]
+        if first_observed >= num_context:
+            return SnapKVCompressor.score(self, keys, values, context)
+        positions = first_observed + observation_positions(num_context - first_observed, self.window_size,
+                                                           keys.device)
+        attention = attention_from_positions(queries[:, positions - first_observed], keys[:, :num_context],
+                                             positions, context.scaling)
         pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
         padding = self.kernel_size // 2
         scores[:, :num_context] = pool(attention[:, None], self.kernel_size, stride=1, padding=padding)[:, 0]

@@ -59,9 +59,12 @@ def start_remote(
 ) -> RemoteStart | None:
     """Start `prompt` from its low-bit prefix (see the module docstring), drafting with `drafter`.
 
-    Returns None when no low-bit chunk could be fetched: the caller then prefills as usual.
+    Returns None when no low-bit chunk could be fetched, or when the drafter scores with every prompt
+    query (a remote start computes only the prompt's last tokens): the caller then prefills as usual.
     """
     assert settings.prefix_draft is not None
+    if settings.drafter.observes_every_query:
+        return None
     # The first chunk and the last (window - 1) of the stored run, counted from its end by the fetch.
     window = settings.prefix_draft_chunks
     chunks = None if window is None else [0, *range(1 - window, 0)]

@@ -267,18 +267,21 @@ def test_each_request_keeps_its_own_prefix_draft_and_prefix_draft_chunks(model: 
         assert engine.output(request_id).token_ids == expected
 
 
+@pytest.mark.parametrize("prefix_draft", [None, "int4"])
 @pytest.mark.parametrize("drafter", ["h2o", "snapkv_agnostic"])
-def test_a_drafter_that_scores_with_every_prompt_query_prefills_instead_of_a_remote_start(
-    model: LoadedModel, drafter: str
+def test_drafters_that_score_with_every_prompt_query_decode_prompts_restored_or_prefilled_in_pieces(
+    model: LoadedModel, drafter: str, prefix_draft: str | None
 ) -> None:
-    # A remote start computes only the prompt's last tokens on the low-bit prefix: these compressors need
-    # the queries of the whole prompt, so the request is prefilled as usual.
+    # A prompt prefilled in pieces, or restored from exact chunks, compresses with its last piece's
+    # queries; a remote start (low-bit prefix) would compute only the prompt's last tokens, so these
+    # compressors' requests are prefilled as usual instead.
     prompt = [(3 * i + 2) % 90 + 3 for i in range(80)]
     prefix = stored_prefix(model, [prompt], write=("exact", "int4"))
     config = GenerationConfig(max_new_tokens=10, ignore_eos=True, prefill_chunk_tokens=CHUNK)
     engine = Engine(model, prefixes=SinglePrefixSource(prefix))
-    ids = run(engine, [Request(prompt, config, lossless=lossless(drafter, prefix_draft="int4"))])
-    assert engine.output(ids[0]).token_ids == reference(model, prompt, config)
+    ids = run(engine, [Request(prompt, config, lossless=lossless(drafter, prefix_draft=prefix_draft))])
+    output = engine.output(ids[0])
+    assert output.stop_reason == "length" and output.token_ids == reference(model, prompt, config)
 
 
 # ----- fetch-aware admission (moved from the removed FetchAwareScheduler's tests)
