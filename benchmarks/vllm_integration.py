@@ -63,15 +63,9 @@ def engine(args: argparse.Namespace, **options: Any) -> Any:
 
 
 def run(llm: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
-    tokens, total_s, _ = run_timed(llm, prompt, max_tokens)
-    return tokens, total_s
-
-
-def run_timed(llm: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float, float | None]:
-    """Greedy tokens, the request's wall time, and its decode time: from its own first token to its last,
-    as vLLM's engine stamped them (None when the engine kept no request metrics)."""
-    tokens, total_s, decode_s = run_batch(llm, [prompt], max_tokens)
-    return tokens[0], total_s, decode_s
+    """Greedy tokens of one request and its wall time."""
+    tokens, total_s, _ = run_batch(llm, [prompt], max_tokens)
+    return tokens[0], total_s
 
 
 def run_batch(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, float | None]:
