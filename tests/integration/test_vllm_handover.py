@@ -284,6 +284,7 @@ def test_a_lookup_round_drafts_no_forward_and_the_cache_catches_up_from_the_page
     drafts = propose(proposer, [history], pages.step([pages.write("a", history[:-1])]))
     assert drafts[0] == find_continuation(history, NUM_SPECULATIVE_TOKENS, PromptLookup()) != []
     assert proposer.stats.num_draft_forwards == 0 and proposer.stats.num_lookup_rounds == 1
+    assert proposer.stats.num_lookup_draft_tokens == len(drafts[0]) and proposer.stats.num_draft_tokens == 0
     # The lookup measured 1 token a round, the cache is expected to emit 5: the cache drafts next.
     proposer.costs.step_s, proposer.costs.draft_forward_s = 0.1, 0.01
     grown = history + [PROMPTS[1][31]]  # the repetition goes on: the lookup has a proposal again

@@ -74,6 +74,7 @@ class ProposerStats:
     prompt; `prefill_s` prefills prompts the hand-over did not bring; `draft_s` runs the packed draft
     forwards (catch-up tokens included: `num_catch_up_tokens` counts every token fed before the
     first draft, one per row with the hand-over). The rest of `total_s` is bookkeeping.
+    `num_draft_tokens` counts the compressed cache's drafts, `num_lookup_draft_tokens` prompt lookup's.
     """
 
     num_calls: int = 0
@@ -86,6 +87,7 @@ class ProposerStats:
     num_draft_tokens: int = 0
     num_draft_forwards: int = 0
     num_lookup_rounds: int = 0
+    num_lookup_draft_tokens: int = 0
     handover_s: float = 0.0
     adopt_s: float = 0.0
     prefill_s: float = 0.0

@@ -254,6 +254,7 @@ class KVLabDraftProposer:
             if proposal and sequence.sources.takes_lookup(self.costs, k):
                 drafts[index], sequence.sources.pending = proposal, "lookup"
                 self.stats.num_lookup_rounds += 1
+                self.stats.num_lookup_draft_tokens += len(proposal)
         cache_rows = [index for index, drafted in enumerate(drafts) if drafted is None]
         from_cache = self._draft_from_caches([sequences[i] for i in cache_rows], [histories[i] for i in cache_rows])
         for index, drafted in zip(cache_rows, from_cache, strict=True):
