@@ -22,7 +22,9 @@ OUTPUT_LEN = 16
 TTFT_RTOL = 0.2
 TIMEOUT_S = 300
 BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
-MODES = {"plain": None, "lossless": {"kvlab": {"mode": "lossless"}}}
+# A fixed draft length: under `auto` a sequence may stand aside (draft nothing) on a loaded machine, and a
+# request that drafted nothing adds no draft to the counters this test reads.
+MODES = {"plain": None, "lossless": {"kvlab": {"mode": "lossless", "draft_length": 4}}}
 DRAFTS = "kvlab:spec_decode_num_drafts_total"
 TTFT = "kvlab:time_to_first_token_seconds"
 # vllm bench's result fields -> the server's counters it reads them from (vllm:spec_decode_<name>_total).
