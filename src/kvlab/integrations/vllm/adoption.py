@@ -16,8 +16,7 @@ import logging
 import numpy as np
 import torch
 
-from kvlab.cache import KVCache
-from kvlab.cache.step import ForwardStep, run_step
+from kvlab.cache import ForwardStep, KVCache, run_step
 from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
 from kvlab.integrations.vllm.handover import LayerKV, StepHandover

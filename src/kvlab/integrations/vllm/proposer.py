@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvlab.cache.step import Segment, run_packed
+from kvlab.cache import Segment, run_packed
 from kvlab.compress import Compressor, compressors
 from kvlab.errors import ConfigError
 from kvlab.integrations.vllm.adoption import DraftSequence, HandoverMismatch, ProposerStats, SequenceBuilder
