@@ -347,3 +347,14 @@ def test_prompt_lookup_composed_with_the_cache_keeps_greedy_output(handover_engi
         proposer.lookup = None
     assert got == expected
     assert proposer.stats.num_lookup_rounds > 0 and proposer.stats.num_draft_forwards > 0
+
+
+def test_the_draft_weights_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlab.integrations.vllm.proposer import DRAFT_WEIGHTS_ENV, draft_weights_from_environment
+
+    assert draft_weights_from_environment() == "same"
+    monkeypatch.setenv(DRAFT_WEIGHTS_ENV, "int8")
+    assert draft_weights_from_environment() == "int8"
+    monkeypatch.setenv(DRAFT_WEIGHTS_ENV, "int4")
+    with pytest.raises(ConfigError, match="KVLAB_VLLM_DRAFT_WEIGHTS must be one of same, bf16, int8"):
+        draft_weights_from_environment()
