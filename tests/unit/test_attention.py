@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvlab.attention import (
+    FOLDED_SCORES_MAX_QUERIES,
     attend_newest,
     attend_newest_reference,
     attention_with_lse,
@@ -17,10 +18,12 @@ from kvlab.attention import (
 TOLERANCE = 1e-5
 
 
-@pytest.mark.parametrize("num_queries", [1, 2, 9, 33])
+# 2, 9 and 33 queries take the folded-scores path, 80 the split one (flash prefix + causal block).
+@pytest.mark.parametrize("num_queries", [1, 2, 9, 33, 80])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (4, 1)])
-@pytest.mark.parametrize("num_keys", [33, 300])
+@pytest.mark.parametrize("num_keys", [80, 300])
 def test_attend_newest_matches_the_masked_reference(num_queries: int, heads: int, kv_heads: int, num_keys: int) -> None:
+    assert FOLDED_SCORES_MAX_QUERIES in range(33, 80)  # both paths are exercised
     generator = torch.Generator().manual_seed(num_queries * 100 + heads + num_keys)
     queries = torch.randn(1, heads, num_queries, 64, generator=generator)
     keys = torch.randn(1, kv_heads, num_keys, 64, generator=generator)
