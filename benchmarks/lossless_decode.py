@@ -5,10 +5,12 @@ Usage: .venv/bin/python benchmarks/lossless_decode.py [--contexts 2048 8064] [--
 
 For each context the prompts (different offsets of the bundled document) are prefilled once per
 drafter; every setting then decodes from copies of those caches, so the table compares decoding
-only. On each tier, plain decoding reads the full KV from the tier every step and is the baseline of
-that tier's rows. Columns: decode tokens/s, speed-up over plain on the same tier, mean acceptance
-length (accepted drafts + 1 per round), mean draft length, the bytes-bound ceiling, and whether the
-output is identical to plain decoding.
+only. On each tier, plain decoding (kvlab's engine, as `kvlab generate` runs it) reads the full KV
+from the tier every step and is the baseline of that tier's rows; the setting "plain full KV,
+reference loop" decodes through the loop whose logits equal transformers' forward bit for bit.
+Columns: decode tokens/s, speed-up over plain on the same tier, mean acceptance length (accepted
+drafts + 1 per round), mean draft length, the bytes-bound ceiling, and whether the output is
+identical to plain decoding.
 
 The bytes-bound ceiling is plain's bytes read per emitted token over this setting's. In memory: a
 plain step reads the linear layers' weights once and every row's full KV; a lossless round of one row
@@ -42,6 +44,7 @@ from kvlab.models.packed_linear import PackedLinear
 # (label, mode, compressor name, compressor params, num_draft_tokens, draft weights)
 SETTINGS: list[tuple[str, str, str | None, dict[str, object], int | str, str]] = [
     ("plain full KV", "full", None, {}, 0, "same"),
+    ("plain full KV, reference loop", "reference", None, {}, 0, "same"),
     ("lossy snapkv-0.9", "lossy", "snapkv", {"compression_ratio": 0.9}, 0, "same"),
     ("lossy kivi-2", "lossy", "kivi", {"bits": 2}, 0, "same"),
     ("lossless snapkv-0.9 k=auto", "lossless", "snapkv", {"compression_ratio": 0.9}, "auto", "same"),
@@ -98,24 +101,36 @@ def prefill_all(loaded: LoadedModel, prompts: list[list[int]], name: str, params
 def run_setting(
     loaded: LoadedModel, prompts: list[list[int]], setting: tuple, prefilled: Prefilled, config: GenerationConfig  # type: ignore[type-arg]
 ) -> GenerationOutput:
+    """Decode `prompts` from copies of their prefilled caches: through kvlab's engine (plain, lossy and
+    lossless requests, all as a user runs them), or, for the reference row, through the decode loop
+    that is token- and logit-identical to transformers' forward."""
     _, mode, name, params, num_draft_tokens, draft_weights = setting
+    if mode == "reference":
+        caches = [full.clone() for full, _, _ in prefilled]
+        cache = caches[0] if len(caches) == 1 else KVCache.stack(caches, caches[0].layers[0].capacity)  # type: ignore[attr-defined]
+        return reference_decode(loaded, prompts, cache, torch.cat([logits for _, _, logits in prefilled]), config)
+    lossless, compressor = None, None
     if mode == "lossless":
         assert name is not None
-        lookup, compressor = split_drafter_name(name)
-        lossless = LosslessConfig(create_compressor(compressor, **params), num_draft_tokens, MAX_NUM_DRAFT_TOKENS,
+        lookup, drafter = split_drafter_name(name)
+        lossless = LosslessConfig(create_compressor(drafter, **params), num_draft_tokens, MAX_NUM_DRAFT_TOKENS,
                                   draft_weights=draft_weights, prompt_lookup=lookup)
-        requests = [Request(prompt, config, lossless=lossless) for prompt in prompts]
-        engine = Engine(loaded)
-        ids = [engine.add_request(request, PrefilledPrompt(full.clone(), draft.clone(), logits))
-               for request, (full, draft, logits) in zip(requests, prefilled, strict=True)]
-        while engine.num_unfinished():
-            engine.step()
-        stats, rounds = engine.finish_stats()
-        return LosslessOutput([engine.output(request_id) for request_id in ids], stats, rounds)
-    caches = [(draft if mode == "lossy" else full).clone() for full, draft, _ in prefilled]
-    cache = caches[0] if len(caches) == 1 else KVCache.stack(caches, caches[0].layers[0].capacity)  # type: ignore[attr-defined]
-    logits = torch.cat([logits for _, _, logits in prefilled])
-    return reference_decode(loaded, prompts, cache, logits, config)
+    elif mode == "lossy":
+        assert name is not None
+        compressor = create_compressor(name, **params)
+    engine = Engine(loaded)
+    ids = []
+    for prompt, (full, draft, logits) in zip(prompts, prefilled, strict=True):
+        request = Request(prompt, config, compressor=compressor, lossless=lossless)
+        cache, draft_copy = (draft.clone(), None) if mode == "lossy" else (full.clone(), None)
+        if lossless is not None:
+            draft_copy = draft.clone()
+        ids.append(engine.add_request(request, PrefilledPrompt(cache, draft_copy, logits)))
+    while engine.num_unfinished():
+        engine.step()
+    stats, rounds = engine.finish_stats()
+    outputs = [engine.output(request_id) for request_id in ids]
+    return LosslessOutput(outputs, stats, rounds) if lossless is not None else GenerationOutput(outputs, stats)
 
 
 def bytes_per_token(
@@ -127,7 +142,7 @@ def bytes_per_token(
     weights = linear_weight_bytes(loaded.model)
     full_kv = sum(attended_bytes(full) for full, _, _ in prefilled) / batch
     draft_kv = sum(attended_bytes(draft) for _, draft, _ in prefilled) / batch
-    if mode == "full":
+    if mode in ("full", "reference"):
         return weights / batch + full_kv
     if mode == "lossy":
         return weights / batch + draft_kv

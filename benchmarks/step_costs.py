@@ -4,14 +4,14 @@ Usage: .venv/bin/python benchmarks/step_costs.py [--context 8064] [--num-draft-t
 
 Prints the median time of: a plain decode step on the full cache (also through the engine's packed
 forward, and with transformers' own `F.linear` layers instead of kvlab's oneDNN-packed ones); a draft
-step on a SnapKV-10% cache (fp32, bf16 and int8 dynamic-quantized weights) as the lossless engine
-runs it (a packed forward); a verify forward over `--num-draft-tokens` + 1 tokens on the full cache, as the engine runs
-it (unmasked GQA-folded prefix + causal block), with `F.linear` layers, and through one masked
-attention call (the reference); the time attention and the linear layers take inside a plain step (torch profiler); and,
-per forward, the bytes it reads (linear weights + the KV attention reads) and the bandwidth that
-implies. The forwards alternate within each repeat. With perfect acceptance, lossless decoding emits
-k + 1 tokens per k draft steps and one verify, so (k + 1) * plain / (k * draft + verify) is its
-ceiling; the script prints it.
+step on a SnapKV-10% cache (fp32, bf16 and int8 dynamic-quantized weights) and on KIVI-4 and
+TurboQuant-4 caches as the lossless engine runs it (a packed forward); a verify forward over
+`--num-draft-tokens` + 1 tokens on the full cache, as the engine runs it (GQA-folded scores, causal block
+masked in place), with `F.linear` layers, and through one masked attention call (the reference); the
+time attention and the linear layers take inside a plain step (torch profiler); and, per forward, the
+bytes it reads (linear weights + the KV attention reads) and the bandwidth that implies. The forwards
+alternate within each repeat. With perfect acceptance, lossless decoding emits k + 1 tokens per k draft
+steps and one verify, so (k + 1) * plain / (k * draft + verify) is its ceiling; the script prints it.
 """
 
 from __future__ import annotations
@@ -81,6 +81,11 @@ def main() -> None:
         loaded, [prompt], PrefillCaches(capacity, drafter=create_compressor("snapkv", compression_ratio=0.9))
     )
     assert draft is not None
+    # Quantized draft caches: attention reads their dequantized working copy, not the packed codes.
+    quantized = {
+        name: prefill(loaded, [prompt], PrefillCaches(capacity, drafter=create_compressor(name, bits=4)))[1]
+        for name in ("kivi", "turboquant")
+    }
     model = loaded.model
     k = args.num_draft_tokens
     # Forwards alternate within each repeat, so drift on a shared machine hits every one alike.
@@ -91,6 +96,8 @@ def main() -> None:
         "same": lambda: packed_ms(model, loaded, draft, following[:1], 1),
         "bf16": lambda: packed_ms(draft_model(model, "bf16"), loaded, draft, following[:1], 1),
         "int8": lambda: packed_ms(draft_model(model, "int8"), loaded, draft, following[:1], 1),
+        "kivi": lambda: packed_ms(model, loaded, quantized["kivi"], following[:1], 1),  # type: ignore[arg-type]
+        "turboquant": lambda: packed_ms(model, loaded, quantized["turboquant"], following[:1], 1),  # type: ignore[arg-type]
         "verify": lambda: packed_ms(model, loaded, full, following[: k + 1], 1),
         "verify_masked": lambda: step_ms(model, loaded, full, following[: k + 1], 1),
         "verify_unpacked": lambda: packed_ms(unpacked, loaded, full, following[: k + 1], 1),
@@ -126,7 +133,17 @@ def main() -> None:
             drafts["int8"],
             linear_weight_bytes(draft_model(model, "int8")) + draft_kv,
         ),
-        (f"verify of {k} + 1 tokens, engine path (split attention)", verify, weights + full_kv),
+        (
+            "draft step, KIVI-4 cache (attends its fp32 working copy)",
+            median["kivi"],
+            weights + attended_bytes(quantized["kivi"]),  # type: ignore[arg-type]
+        ),
+        (
+            "draft step, TurboQuant-4 cache (attends its fp32 working copy)",
+            median["turboquant"],
+            weights + attended_bytes(quantized["turboquant"]),  # type: ignore[arg-type]
+        ),
+        (f"verify of {k} + 1 tokens, engine path (folded scores)", verify, weights + full_kv),
         (f"verify of {k} + 1 tokens, one masked attention call", verify_masked, weights + full_kv),
         (f"verify of {k} + 1 tokens, engine path, F.linear layers", median["verify_unpacked"], weights + full_kv),
     ]
@@ -153,6 +170,9 @@ def main() -> None:
                 indent=2,
             )
         )
+    for name in ("kivi", "turboquant"):
+        stored = quantized[name].nbytes()  # type: ignore[union-attr]
+        print(f"{name}-4 stores {stored / 1e6:.0f} MB of KV (the full cache {full.nbytes() / 1e6:.0f} MB)")
     print(f"| ... plain step: attention (profiler) | {attention:.1f} | | | |")
     print(f"| ... plain step: linear layers (profiler) | {linear:.1f} | | | |")
     for name, draft_cost in (("fp32", drafts["same"]), ("bf16", drafts["bf16"]), ("int8", drafts["int8"])):

@@ -70,47 +70,65 @@ class DraftLengthController:
     On a short prompt a draft forward costs about what a plain step does (the weights dominate), so no
     acceptance could pay and a probe would only cost.
 
+    Until a plain step has been timed, its cost is taken to be a verify's, which flatters drafting (a
+    verify feeds more tokens over the same KV: 1.1-1.5x a plain step here). So where drafting is
+    expected to beat that estimate by less than `plain_measure_gain`, the sequence takes one plain
+    round to time it: a plain round costs nothing against plain decoding. The very first round of a
+    run, with no costs measured, drafts `measuring_num_draft_tokens`: few, since if nothing is
+    accepted each of them is lost.
+
     Attributes:
         costs: Measured per-segment costs, shared by the sequences of a run.
         fixed: A fixed draft length, or None to adapt.
-        initial_num_draft_tokens: Draft length of the first round when adapting.
+        initial_num_draft_tokens: Draft length of a new sequence's first round when adapting.
+        measuring_num_draft_tokens: Draft length of a round that measures the costs (none measured yet).
         probe_num_draft_tokens: Draft length of a probe after rounds aside.
         max_num_draft_tokens: Upper bound of adaptive lengths.
         decay: Weight of history in the acceptance averages (0..1).
         min_probe_interval, max_probe_interval: Rounds aside between probes, at first and at most.
         min_probe_gain: How much faster than plain steps a round with every draft accepted must be for a
             probe to be worth drafting.
+        plain_measure_gain: Below this expected gain over a verify's cost, an untimed plain step is timed.
         num_stood_aside: Rounds it chose to draft nothing.
     """
 
     costs: StepCosts
     fixed: int | None = None
     initial_num_draft_tokens: int = 8
+    measuring_num_draft_tokens: int = 4
     probe_num_draft_tokens: int = 2
     max_num_draft_tokens: int = 64
     decay: float = 0.7
     min_probe_interval: int = 8
     max_probe_interval: int = 64
     min_probe_gain: float = 1.1
+    plain_measure_gain: float = 1.5
     accepted: float = 0.0
     rejected: float = 0.0
     num_stood_aside: int = 0
     probe_interval: int = 0
     _aside_since_probe: int = 0
+    _timed_plain: bool = False
 
     def next_num_draft_tokens(self) -> int:
         if self.fixed is not None:
             return self.fixed
         if self.costs.verify_s == 0 or self.costs.draft_s == 0:
-            return self.initial_num_draft_tokens  # nothing measured yet: this round measures
+            return self.measuring_num_draft_tokens  # nothing measured yet: this round measures
         if self.accepted + self.rejected == 0:
             # A new sequence in a run whose costs are known: it drafts unless no acceptance could pay.
             return self.initial_num_draft_tokens if self._drafting_could_pay() else self._stand_aside()
         best_length, best_rate = self._best_length()
-        if best_rate * self.costs.plain_step_s >= 1.0:
-            self.probe_interval = 0
-            return best_length
-        return self._stand_aside()
+        if best_rate * self.costs.plain_step_s < 1.0:
+            return self._stand_aside()
+        narrow = best_rate * self.costs.verify_s < self.plain_measure_gain
+        if narrow and not self.costs.plain_s and not self._timed_plain:
+            # Once per sequence: in a packed batch a plain segment is timed only in a forward without verifies.
+            self._timed_plain = True
+            self.num_stood_aside += 1
+            return 0
+        self.probe_interval = 0
+        return best_length
 
     def _stand_aside(self) -> int:
         """0 (a plain round), or a probe's draft length when one is due and drafting could pay."""
