@@ -1,6 +1,6 @@
 """kvlab beside the engines a user would pick instead, on the same prompts and machine, timed the same way.
 
-Usage: .venv/bin/python benchmarks/peers.py [--prompts doc-4k doc-8k summary code qa] [--new-tokens 128]
+Usage: .venv/bin/python benchmarks/peers.py [--prompts doc-4k doc-8k summary summary-6k code qa] [--new-tokens 128]
            [--rows ...] [--json PATH]
 
 Rows (SmolLM2, fp32, greedy, batch 1, `--new-tokens` generated with end-of-sequence ignored):
@@ -14,7 +14,8 @@ Rows (SmolLM2, fp32, greedy, batch 1, `--new-tokens` generated with end-of-seque
   vllm plain / ngram / draft_model vLLM's CPU build (eager), from .venv-vllm, one fresh process per row
                                    (`benchmarks/vllm_integration.py`'s decode rows)
 Prompts: the bundled document's first 4096 and 7936 tokens (room for 128 new ones in 8192); a summary
-(Multi-LexSum), a code completion (HumanEval) and a question over a document (SQuAD), from the
+(Multi-LexSum's first case), a long summary (`summary-6k`: the longest of its first 64 cases, cut to
+6400 tokens), a code completion (HumanEval) and a question over a document (SQuAD), from the
 benchmark's data packages.
 
 Decode rate is (tokens - 1) / (time from the request's own first token to its last): kvlab's engine
@@ -50,7 +51,9 @@ KVLAB_ROWS = ["kvlab plain", "kvlab lossless snapkv-0.9 auto", "kvlab lossless n
               "kvlab lossless ngram+snapkv-0.9 int8"]
 HF_ROWS = ["hf plain", "hf prompt lookup", "hf assisted"]
 VLLM_ROWS = ["vllm plain", "vllm ngram", "vllm draft_model"]
-PROMPTS = ["doc-4k", "doc-8k", "summary", "code", "qa"]
+PROMPTS = ["doc-4k", "doc-8k", "summary", "summary-6k", "code", "qa"]
+# summary-6k: the longest of the first LONG_SUMMARY_CANDIDATES Multi-LexSum cases, cut to 6400 tokens.
+LONG_SUMMARY_CANDIDATES = 64
 # 8K leaves room for the new tokens in SmolLM2's 8192-token context, as the other benchmarks' 8064.
 DOCUMENT_TOKENS = {"doc-4k": 4096, "doc-8k": 8064 - 128}
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,11 +63,14 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 def prompt_ids(loaded: LoadedModel, name: str) -> list[int]:
     if name.startswith("doc-"):
         return document_token_ids(loaded.tokenizer, DOCUMENT_TOKENS[name])
-    task_name, settings = {"summary": ("multilexsum", {}), "code": ("humaneval", {}),
-                           "qa": ("squad", {"context_tokens": 4096})}[name]
+    task_name, settings = {"summary": ("multilexsum", {}), "summary-6k": ("multilexsum", {"context_tokens": 6400}),
+                           "code": ("humaneval", {}), "qa": ("squad", {"context_tokens": 4096})}[name]
     task = tasks.create(task_name, **settings)
-    sample = task.load(loaded.tokenizer, 1).samples[0]
-    return loaded.encode_prompt(sample.prompt)
+    if name != "summary-6k":
+        return loaded.encode_prompt(task.load(loaded.tokenizer, 1).samples[0].prompt)
+    candidates = [loaded.encode_prompt(sample.prompt)
+                  for sample in task.load(loaded.tokenizer, LONG_SUMMARY_CANDIDATES).samples]
+    return max(candidates, key=len)
 
 
 def kvlab_row(loaded: LoadedModel, prompt: list[int], row: str, new_tokens: int) -> dict[str, Any]:

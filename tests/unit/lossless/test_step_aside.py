@@ -54,8 +54,8 @@ def test_no_probe_is_drafted_where_no_acceptance_could_pay() -> None:
 
 
 def test_a_new_sequence_drafts_first_only_where_drafting_could_pay() -> None:
-    unmeasured = DraftLengthController(StepCosts(), initial_num_draft_tokens=8, measuring_num_draft_tokens=4)
-    assert unmeasured.next_num_draft_tokens() == 4  # its first round measures the costs, with few drafts
+    unmeasured = DraftLengthController(StepCosts(), initial_num_draft_tokens=8)
+    assert unmeasured.next_num_draft_tokens() == 8  # its first round measures the costs
     dear = DraftLengthController(StepCosts(draft_s=0.05, verify_s=0.055, plain_s=0.05), initial_num_draft_tokens=8)
     assert dear.next_num_draft_tokens() == 0 and dear.num_stood_aside == 1
     cheap = DraftLengthController(StepCosts(draft_s=0.01, verify_s=0.06, plain_s=0.05), initial_num_draft_tokens=8)
@@ -66,7 +66,7 @@ def test_an_untimed_plain_step_is_timed_once_where_drafting_only_beats_a_verifys
     # A verify of 2 tokens costs 80 ms and stands in for the plain step until one is timed; a round
     # drafting 1 token (60 ms) that is almost always accepted would emit ~1.9 tokens per 140 ms: 1.09x
     # the verify's rate, 0.98x the true plain rate of 72 ms. One plain round times it.
-    costs = StepCosts(draft_s=0.06, verify_s=0.08)
+    costs = StepCosts(draft_s=0.06, verify_s=0.08, max_segments=1)
     controller = DraftLengthController(costs, max_num_draft_tokens=1)
     for _ in range(6):
         controller.update(1, 1)
@@ -74,7 +74,8 @@ def test_an_untimed_plain_step_is_timed_once_where_drafting_only_beats_a_verifys
     costs.observe(0.072, num_draft_segments=0, full_segment_tokens=[1])
     assert costs.plain_s == pytest.approx(0.072)
     assert controller.next_num_draft_tokens() == 0  # timed: drafting does not pay, it stands aside
-    untimed = DraftLengthController(StepCosts(draft_s=0.06, verify_s=0.08), max_num_draft_tokens=1)
+    untimed_costs = StepCosts(draft_s=0.06, verify_s=0.08, max_segments=1)
+    untimed = DraftLengthController(untimed_costs, max_num_draft_tokens=1)
     for _ in range(6):
         untimed.update(1, 1)
     # Where no forward times a plain step (packed beside verifies), it asks once and then drafts.
@@ -83,6 +84,11 @@ def test_an_untimed_plain_step_is_timed_once_where_drafting_only_beats_a_verifys
     for _ in range(6):
         clear.update(8, 8)
     assert clear.next_num_draft_tokens() == 8  # far ahead of any plain cost: no plain round to time it
+    batched_costs = StepCosts(draft_s=0.06, verify_s=0.08, max_segments=4)
+    batched = DraftLengthController(batched_costs, max_num_draft_tokens=1)
+    for _ in range(6):
+        batched.update(1, 1)
+    assert batched.next_num_draft_tokens() == 1  # packed beside others, a plain segment's share is not its cost
 
 
 def test_fixed_draft_lengths_never_stand_aside() -> None:
