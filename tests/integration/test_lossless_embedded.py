@@ -78,8 +78,11 @@ def test_cli_lossless_json_reports_acceptance(embedded_model: LoadedModel, capsy
     assert main([*argv, "--lossless", "--drafter", "kivi", "--drafter-arg", "bits=4", "--num-draft-tokens", "8"]) == 0
     lossless = json.loads(capsys.readouterr().out)
     assert lossless["token_ids"] == plain["token_ids"]
-    assert {"acceptance_length", "rounds", "num_draft_tokens", "num_accepted_tokens"} <= set(lossless["stats"])
+    assert {"acceptance_length", "rounds", "num_draft_tokens", "num_accepted_tokens", "num_plain_rounds",
+            "num_lookup_rounds", "drafting_closed_ticks", "drafting_verdicts"} <= set(lossless["stats"])
     assert lossless["stats"]["acceptance_length"] >= 1.0
+    # A fixed draft length ignores the drafting gate: no round of the 24 tokens stood aside but a last one.
+    assert lossless["stats"]["num_plain_rounds"] <= 1
 
 
 def test_the_fast_verify_path_matches_the_masked_reference_on_a_real_document(embedded_model: LoadedModel) -> None:

@@ -168,6 +168,10 @@ def _report(
         stats.update(
             acceptance_length=rounds.acceptance_length,
             rounds=rounds.rounds,
+            num_plain_rounds=rounds.num_plain_rounds,
+            num_lookup_rounds=rounds.num_lookup_rounds,
+            drafting_closed_ticks=rounds.drafting_closed_ticks,
+            drafting_verdicts=rounds.drafting_verdicts,
             num_draft_tokens=rounds.num_draft_tokens,
             num_accepted_tokens=rounds.num_accepted_tokens,
             draft_s=rounds.draft_s,

@@ -28,6 +28,7 @@ from kvlab.generation.prefill import PrefillCaches, PrefixReuse, PromptPrefill, 
 from kvlab.generation.sampling import sampling_generator, select_next_tokens
 from kvlab.generation.stopping import StopChecker
 from kvlab.lossless.draft_length import StepCosts
+from kvlab.lossless.gate import DraftingGate, TickRecord
 from kvlab.lossless.remote_prefix import PrefixTarget, start_remote
 from kvlab.lossless.round import LosslessState, lossless_rounds
 from kvlab.lossless.stats import LosslessStats
@@ -62,6 +63,7 @@ class Engine:
         self.stats = GenerationStats()
         self.lossless_stats = LosslessStats()
         self.costs = StepCosts()  # shared by every sequence's draft-length controller
+        self.gate = DraftingGate(self.config.drafting_gate)  # the run's timed verdict on drafting
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.interleave_prefill)
         self.clock = Stopwatch(loaded.device)
         self._sequences: dict[int, Sequence] = {}
@@ -178,6 +180,8 @@ class Engine:
         wait_s = sum(loader.stats.wait_s for loader in self._loaders.values())
         self.stats.tier_bytes_read, self.stats.tier_wait_s = bytes_read, wait_s
         self.lossless_stats.kv_load_s += wait_s
+        self.lossless_stats.drafting_closed_ticks = self.gate.num_closed_ticks
+        self.lossless_stats.drafting_verdicts = list(self.gate.verdicts)
         finish_timing(self.stats, self.clock.elapsed(), self._num_admitted)
         return self.stats, self.lossless_stats
 
@@ -242,7 +246,7 @@ class Engine:
         if request.lossless is not None:
             assert prefilled.draft is not None  # add_request refuses a lossless prompt prefilled without one
             sequence.lossless = LosslessState(
-                cache, prefilled.draft, request.lossless, request.lossless.controller(self.costs),
+                cache, prefilled.draft, request.lossless, request.lossless.controller(self.costs, self.gate),
                 pending=[first_token], draft_missing=1, totals=self._totals(), lookup=request.lossless.lookup_choice(),
             )
         else:
@@ -280,7 +284,8 @@ class Engine:
             return False
         self.stats.tier = request.config.tier.name
         self._admitted(sequence)
-        sequence.lossless = LosslessState(started.exact, started.draft, settings, settings.controller(self.costs),
+        controller = settings.controller(self.costs, self.gate)
+        sequence.lossless = LosslessState(started.exact, started.draft, settings, controller,
                                           pending=[], draft_missing=0, totals=self._totals(),
                                           draft_logits=started.draft_logits, lookup=settings.lookup_choice())
         sequence.start(lossless_rounds(sequence, sequence.lossless))
@@ -304,6 +309,7 @@ class Engine:
         running = list(self.scheduler.running)
         owners = {id(sequence.feed): sequence for sequence in running}
         feeds = [(self._model_for(sequence), sequence.feed) for sequence in running if sequence.feed is not None]
+        tick = TickRecord.start(self.stats.new_tokens, [feed for _, feed in feeds], self.loaded.device)
         lossless_verified = False
         for model, group in group_by_model(feeds, self.loaded.model):  # type: ignore[arg-type]
             batch = pack(model, group)
@@ -326,6 +332,8 @@ class Engine:
                     sequence.advance(feed_logits)
                 except Exception as error:  # one request's failure is that request's alone
                     self._fail(sequence, error, finished)
+        if any(sequence.lossless is not None for sequence in running):
+            self.gate.observe(tick, self.stats.new_tokens)
         stopped = [sequence for sequence in running if sequence.status is Status.RUNNING and sequence.feed is None]
         if lossless_verified or stopped:  # draft caches only grow by the exact KV a verify hands them
             self._record_caches(running)

@@ -8,6 +8,7 @@ from typing import Literal
 from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
 from kvlab.lossless.draft_length import DraftLengthController, StepCosts
+from kvlab.lossless.gate import DraftingGate
 from kvlab.lossless.prompt_lookup import NGRAM_PREFIX, LookupChoice, PromptLookup
 from kvlab.models.draft_weights import DRAFT_WEIGHTS, DraftWeights
 from kvlab.store.resolution import RESOLUTIONS, get_resolution
@@ -100,7 +101,7 @@ class LosslessConfig:
         prompt lookup)."""
         return None if self.prompt_lookup is None else LookupChoice(self.prompt_lookup)
 
-    def controller(self, costs: StepCosts) -> DraftLengthController:
-        """A draft-length controller for one sequence, sharing the run's measured `costs`."""
+    def controller(self, costs: StepCosts, gate: DraftingGate | None = None) -> DraftLengthController:
+        """A draft-length controller for one sequence, sharing the run's measured `costs` and its `gate`."""
         fixed = None if self.num_draft_tokens == "auto" else int(self.num_draft_tokens)
-        return DraftLengthController(costs, fixed=fixed, max_num_draft_tokens=self.max_num_draft_tokens)
+        return DraftLengthController(costs, fixed=fixed, gate=gate, max_num_draft_tokens=self.max_num_draft_tokens)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvlab.lossless.gate import DraftingGate
+
 
 @dataclasses.dataclass(slots=True)
 class StepCosts:
@@ -69,7 +71,7 @@ class DraftLengthController:
     drafts and a longer verify); a probe that does not pay
     doubles the interval (up to `max_probe_interval`), one that does returns the sequence to drafting.
     A probe is drafted only where drafting could pay at all: where a round of
-    `initial_num_draft_tokens` drafts, every one accepted, would beat plain steps by `min_probe_gain`.
+    `ceiling_num_draft_tokens` drafts, every one accepted, would beat plain steps by `min_probe_gain`.
     On a short prompt a draft forward costs about what a plain step does (the weights dominate), so no
     acceptance could pay and a probe would only cost.
 
@@ -82,11 +84,20 @@ class DraftLengthController:
     sequences stand aside in 61 of 90 and 88 of 110 rounds, 12.6 and 13.3 tokens/s against 13.4 and
     14.7 without the rule), so the rule holds only in runs that never packed two sequences.
 
+    Under `auto` the run's `DraftingGate` has the last word: while it finds plain steps faster than
+    drafting (timed, not modelled), every round is a plain step.
+
     Attributes:
         costs: Measured per-segment costs, shared by the sequences of a run.
         fixed: A fixed draft length, or None to adapt.
-        initial_num_draft_tokens: Draft length of a new sequence's first round when adapting.
+        gate: The run's measured verdict on drafting, shared by its sequences (None: always open).
+        initial_num_draft_tokens: Draft length of a new sequence's first round when adapting: short,
+            since its acceptance is unknown and a long first round is paid for by every sequence packed
+            beside it (at batch 4, 2K context, first rounds of 8 cost 14% of a 64-token run). A round
+            that is all accepted lets the next one grow at once.
         probe_num_draft_tokens: Draft length of a probe after rounds aside.
+        ceiling_num_draft_tokens: The round length whose every-draft-accepted rate says whether drafting
+            could pay at all.
         max_num_draft_tokens: Upper bound of adaptive lengths.
         decay: Weight of history in the acceptance averages (0..1).
         min_probe_interval, max_probe_interval: Rounds aside between probes, at first and at most.
@@ -98,8 +109,10 @@ class DraftLengthController:
 
     costs: StepCosts
     fixed: int | None = None
-    initial_num_draft_tokens: int = 8
+    gate: DraftingGate | None = None
+    initial_num_draft_tokens: int = 2
     probe_num_draft_tokens: int = 2
+    ceiling_num_draft_tokens: int = 8
     max_num_draft_tokens: int = 64
     decay: float = 0.7
     min_probe_interval: int = 8
@@ -113,9 +126,20 @@ class DraftLengthController:
     _aside_since_probe: int = 0
     _timed_plain: bool = False
 
+    def drafting_allowed(self) -> bool:
+        """Whether this round may draft at all (prompt lookup included): a fixed length always does."""
+        return self.fixed is not None or self.gate is None or self.gate.allows_drafting()
+
+    def transit_num_draft_tokens(self) -> int:
+        """Drafts of a remote start's round while its exact prefix is in transit: the wait is paid anyway, so
+        neither the gate nor the costs shorten it (it verifies once the prefix lands); a fixed length holds."""
+        return self.fixed if self.fixed is not None else self.ceiling_num_draft_tokens
+
     def next_num_draft_tokens(self) -> int:
         if self.fixed is not None:
             return self.fixed
+        if not self.drafting_allowed():
+            return 0  # the run's gate found plain steps faster: not this sequence's own choice
         if self.costs.verify_s == 0 or self.costs.draft_s == 0:
             return self.initial_num_draft_tokens  # nothing measured yet: this round measures
         if self.accepted + self.rejected == 0:
@@ -157,9 +181,9 @@ class DraftLengthController:
         return plain_rate if self.fixed is None and best_rate < plain_rate else best_rate
 
     def _drafting_could_pay(self) -> bool:
-        """Whether a round of `initial_num_draft_tokens` drafts, all accepted, beats plain steps by
+        """Whether a round of `ceiling_num_draft_tokens` drafts, all accepted, beats plain steps by
         `min_probe_gain` at the measured costs."""
-        length = self.initial_num_draft_tokens
+        length = self.ceiling_num_draft_tokens
         ceiling = (length + 1) / (length * self.costs.draft_s + self.costs.verify_s)
         return ceiling * self.costs.plain_step_s >= self.min_probe_gain
 

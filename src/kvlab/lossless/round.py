@@ -91,7 +91,10 @@ def lossless_round(host: RoundHost, state: LosslessState) -> Generator[Feed, tor
     if looked_up:
         draft_token_ids, draft_probs, num_fed = looked_up, None, 0
     else:
-        num_planned = max(min(state.controller.next_num_draft_tokens(), host.remaining() - 1), 0)
+        in_transit = isinstance(state.full, ExactPrefixInTransit)
+        controller = state.controller
+        planned = controller.transit_num_draft_tokens() if in_transit else controller.next_num_draft_tokens()
+        num_planned = max(min(planned, host.remaining() - 1), 0)
         draft_token_ids, draft_probs, num_fed = yield from _draft_from_cache(host, state, num_planned)
 
     # Verify: the pending tokens and the drafts in one forward on the full cache.
@@ -132,6 +135,8 @@ def _lookup_proposal(host: RoundHost, state: LosslessState) -> list[int]:
     than drafting from the compressed cache (or standing aside); [] otherwise."""
     choice = state.lookup
     if choice is None or isinstance(state.full, ExactPrefixInTransit) or state.draft_logits is not None:
+        return []
+    if not state.controller.drafting_allowed():
         return []
     proposal = find_continuation(host.context_ids(), min(choice.lookup.num_draft_tokens, host.remaining() - 1),
                                  choice.lookup)

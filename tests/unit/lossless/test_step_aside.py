@@ -8,12 +8,15 @@ import dataclasses
 import pytest
 
 from kvlab.compress import create_compressor
-from kvlab.engine import Engine, Request
+from kvlab.engine import Engine, EngineConfig, Request
 from kvlab.generation import GenerationConfig, reference_generate
 from kvlab.lossless import LosslessConfig
 from kvlab.lossless.draft_length import DraftLengthController, StepCosts
+from kvlab.lossless.gate import GateConfig
 from tests.helpers import tiny_llama
 from tests.unit.lossless.test_lossless import DRAFTERS, _prompts
+
+UNGATED = EngineConfig(drafting_gate=GateConfig(enabled=False))
 
 
 def test_costs_tell_plain_steps_from_verifies() -> None:
@@ -120,7 +123,7 @@ def test_standing_aside_keeps_the_plain_output_for_every_drafter(name: str) -> N
     settings = LosslessConfig(create_compressor(name, **DRAFTERS[name]), "auto")  # type: ignore[arg-type]
     always = LosslessConfig(settings.drafter, 4)
     for lossless, dear_rounds in ((settings, 40), (always, 40)):
-        engine = Engine(loaded)
+        engine = Engine(loaded, UNGATED)  # the sequence's own choice, not the run's timed verdict
         engine.costs = ScriptedCosts(dear_rounds=dear_rounds)
         request_id = engine.add_request(Request(prompt, config, lossless=lossless))
         while engine.has_work():
