@@ -112,11 +112,12 @@ class DraftingGate:
 
     Phases: it starts closed (`PLAIN`): an untimed first tick, then `plain_ticks` timed plain ticks;
     it opens (`DRAFTING`) for `trial_ticks`. At the end of a drafting window the verdict compares its
-    rate with the plain window's. A window that wins even counting no token of the rounds still in flight pays: drafting
-    stays open for the next interval, at once where it wins by `wide_gain`, else after draining the
-    rounds in flight (`DRAINING`: no new drafting rounds until a tick is plain-only) and `plain_ticks`
-    to time plain steps anew. A window that does not win is drained first, so its rate counts whole
-    rounds; if it still loses, drafting is closed for an interval, then gets another trial.
+    rate with the plain window's. A window that wins even counting no token of the rounds still in
+    flight pays: drafting stays open for the next interval, at once where it wins by `wide_gain`, else
+    after draining the rounds in flight (`DRAINING`: no new drafting rounds until a tick is
+    plain-only) and `plain_ticks` to time plain steps anew. A window that does not win is drained
+    first, so its rate counts whole rounds; if it still loses, drafting is closed for an interval, then
+    gets another trial.
 
     Attributes:
         config: The pacing.
