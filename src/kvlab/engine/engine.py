@@ -28,7 +28,7 @@ from kvlab.generation.prefill import PrefillCaches, PrefixReuse, PromptPrefill, 
 from kvlab.generation.sampling import sampling_generator, select_next_tokens
 from kvlab.generation.stopping import StopChecker
 from kvlab.lossless.draft_length import StepCosts
-from kvlab.lossless.gate import DraftingGate, TickRecord
+from kvlab.lossless.gate import DraftingGate
 from kvlab.lossless.remote_prefix import PrefixTarget, start_remote
 from kvlab.lossless.round import LosslessState, lossless_rounds
 from kvlab.lossless.stats import LosslessStats
@@ -309,7 +309,8 @@ class Engine:
         running = list(self.scheduler.running)
         owners = {id(sequence.feed): sequence for sequence in running}
         feeds = [(self._model_for(sequence), sequence.feed) for sequence in running if sequence.feed is not None]
-        tick = TickRecord.start(self.stats.new_tokens, [feed for _, feed in feeds], self.loaded.device)
+        lossless = any(sequence.lossless is not None for sequence in running)
+        tick = self.gate.start_tick(self.stats.new_tokens, [feed for _, feed in feeds], self.loaded.device, lossless)
         lossless_verified = False
         for model, group in group_by_model(feeds, self.loaded.model):  # type: ignore[arg-type]
             batch = pack(model, group)
@@ -332,7 +333,7 @@ class Engine:
                     sequence.advance(feed_logits)
                 except Exception as error:  # one request's failure is that request's alone
                     self._fail(sequence, error, finished)
-        if any(sequence.lossless is not None for sequence in running):
+        if tick is not None:
             self.gate.observe(tick, self.stats.new_tokens)
         stopped = [sequence for sequence in running if sequence.status is Status.RUNNING and sequence.feed is None]
         if lossless_verified or stopped:  # draft caches only grow by the exact KV a verify hands them

@@ -147,6 +147,15 @@ class DraftingGate:
         """Whether a lossless round starting now may draft."""
         return not self.config.enabled or self.phase is GatePhase.DRAFTING
 
+    def start_tick(
+        self, tokens_before: int, feeds: list[Feed], device: torch.device | str, lossless: bool
+    ) -> TickRecord | None:
+        """A record of the tick about to run, or None where there is nothing to time: the gate is disabled
+        or no lossless sequence runs (a plain-only engine pays no clock and no device synchronization)."""
+        if not self.config.enabled or not lossless:
+            return None
+        return TickRecord.start(tokens_before, feeds, device)
+
     def observe(self, tick: TickRecord, tokens_after: int) -> None:
         """Fold in a tick the engine ran with lossless sequences, once it is over."""
         self.observe_tick(tick.clock.elapsed(), tokens_after - tick.tokens_before, tick.num_feeds, tick.plain_only)

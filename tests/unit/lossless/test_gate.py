@@ -151,3 +151,10 @@ def test_a_gate_switching_mid_round_keeps_the_plain_output_for_every_drafter(nam
     stats = engine.lossless_stats
     assert stats.num_plain_rounds > 0 and stats.num_drafting_rounds > 0, stats.num_draft_tokens_per_round
     assert len(engine.gate.verdicts) >= 3 and set(engine.gate.verdicts) == {min_gain < 1}
+
+
+def test_ticks_are_timed_only_where_the_gate_is_enabled_and_a_lossless_sequence_runs() -> None:
+    assert DraftingGate().start_tick(0, [], "cpu", lossless=False) is None
+    assert DraftingGate(GateConfig(enabled=False)).start_tick(0, [], "cpu", lossless=True) is None
+    tick = DraftingGate().start_tick(5, [], "cpu", lossless=True)
+    assert tick is not None and tick.tokens_before == 5 and tick.plain_only
