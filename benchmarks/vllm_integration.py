@@ -12,7 +12,8 @@ prompt: the embedded model's document, `--prefix-tokens` long, greedy. Rows:
   vllm + ExampleConnector   one engine saves the prompt's KV with vLLM's ExampleConnector (files), a
                             fresh engine restores it
   kvlab file:// exact       the same with KVLabConnector over a file:// store, bit-exact codec
-  kvlab redis:// exact      ... over a loopback redis-server the benchmark starts
+  kvlab redis:// exact      ... over a loopback redis-server the benchmark starts (only when a redis://
+                            row runs; `scripts/ensure-redis-server` installs it)
   kvlab redis:// adaptive   ... exact, int8 and int4 stored, kvlab's per-chunk planner picks
   decode: vllm plain / ngram / draft_model (the same SmolLM2 drafting) / kvlab proposer (compressed
   cache drafting, `--drafter`, from token ids alone) / kvlab proposer + hand-over (the same with
@@ -48,6 +49,7 @@ DECODE_ROWS = ["decode: vllm plain", "decode: ngram", "decode: draft_model", "de
 # Tokens between the starts of the prompts of a batch (the bundled document read from several offsets).
 BATCH_OFFSET = 256
 ADAPTIVE = ("exact", "int8", "int4")
+GET_REDIS_SERVER = "run scripts/ensure-redis-server (or apt-get install redis-server)"
 
 
 def engine(args: argparse.Namespace, **options: Any) -> Any:
@@ -264,15 +266,16 @@ def stored_tokens(args: argparse.Namespace, row: str, where: str) -> int:
     return args.prefix_tokens // args.chunk_tokens * args.chunk_tokens
 
 
-def connector_row(args: argparse.Namespace, row: str, workdir: Path, redis_url: str) -> dict[str, Any]:
+def connector_row(args: argparse.Namespace, row: str, workdir: Path, redis_server: LoopbackRedis
+                  ) -> dict[str, Any]:
     where = ""
     if row == "vllm + ExampleConnector":
         where = str(workdir / "example")
     elif row.startswith("kvlab file://"):
         where = f"file://{workdir / 'kvlab-store'}"
-    elif row.startswith("kvlab redis://"):
-        where = redis_url
-        _flush(redis_url)
+    elif needs_redis(row):
+        where = redis_server.url()
+        _flush(where)
     bytes_per_token = None
     if where:
         spawn(args, row, "save", where)
@@ -289,17 +292,53 @@ def _flush(url: str) -> None:
         client.flushdb()
 
 
+def needs_redis(row: str) -> bool:
+    """Whether `row` stores into a redis:// store, on the loopback redis-server the benchmark starts."""
+    return row.startswith("kvlab redis://")
+
+
+def missing_redis_server(rows: list[str]) -> str | None:
+    """One line saying how to get redis-server when a row in `rows` needs it and it is not on PATH, else None."""
+    needing = [row for row in rows if needs_redis(row)]
+    if not needing or shutil.which("redis-server"):
+        return None
+    return (f"redis-server is not on PATH, and the rows {', '.join(repr(r) for r in needing)} start one: "
+            f"{GET_REDIS_SERVER}, or leave those rows out of --rows")
+
+
+class LoopbackRedis:
+    """A redis-server on a free loopback port, started the first time a row asks for its URL."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self._server: subprocess.Popen[bytes] | None = None
+        self._url = ""
+
+    def url(self) -> str:
+        if self._server is None:
+            self._server, self._url = start_redis(self.workdir)
+        return self._url
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.terminate()
+            self._server.wait()
+            self._server = None
+
+
 def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     import socket
 
     import redis
 
+    executable = shutil.which("redis-server")
+    if executable is None:
+        raise RuntimeError(f"redis-server is not on PATH: {GET_REDIS_SERVER}")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
-                               "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen([executable, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                               "no", "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     for _ in range(100):
         try:
@@ -322,7 +361,7 @@ def parent(args: argparse.Namespace) -> list[dict[str, Any]]:
     prompt = document_token_ids(AutoTokenizer.from_pretrained(model_directory()), args.prefix_tokens)
     args.prompt_file = str(workdir / "prompt.json")
     Path(args.prompt_file).write_text(json.dumps(prompt))
-    server, redis_url = start_redis(workdir)
+    redis_server = LoopbackRedis(workdir)  # started by the first redis:// row, if any
     rows: list[dict[str, Any]] = []
     try:
         for row in args.rows:
@@ -330,10 +369,9 @@ def parent(args: argparse.Namespace) -> list[dict[str, Any]]:
             if row.startswith("decode:"):
                 rows.append({"setting": row, "bytes_per_token": None, **spawn(args, row, "measure")})
             else:
-                rows.append(connector_row(args, row, workdir, redis_url))
+                rows.append(connector_row(args, row, workdir, redis_server))
     finally:
-        server.terminate()
-        server.wait()
+        redis_server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     # Connector rows are held to the cold engine's tokens, decode rows to vLLM plain decoding's.
     references = {kind: next((r["tokens"] for r in rows if r["setting"] == setting), None)
@@ -403,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(args)), flush=True)
         return 0
+    missing = missing_redis_server(args.rows)
+    if missing is not None:  # before minutes of other rows, not when the first redis:// row comes
+        print(missing, file=sys.stderr)
+        return 1
     rows = parent(args)
     print_table(rows)
     if args.json:

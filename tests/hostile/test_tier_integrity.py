@@ -23,18 +23,27 @@ def _tier_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "tiers"
 
 
-def tiered_cache(loaded: LoadedModel, tier_dir: Path) -> tuple[KVCache, list[Path]]:
+def prefilled_cache(loaded: LoadedModel) -> KVCache:
     cache = KVCache.allocate(loaded.architecture, 1, CAPACITY, loaded.dtype, "cpu")
     forward(loaded.model, cache, torch.randint(3, 96, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0)))
-    tiered = move_to_tier(cache, TierLoader(TierSpec.parse("disk")), CAPACITY)
+    return cache
+
+
+def tiered_cache(loaded: LoadedModel, tier_dir: Path) -> tuple[KVCache, list[Path]]:
+    tiered = move_to_tier(prefilled_cache(loaded), TierLoader(TierSpec.parse("disk")), CAPACITY)
     return tiered, sorted(tier_dir.rglob("*.kv"))
 
 
-def test_an_untouched_disk_tier_decodes(_tier_dir: Path) -> None:
+def test_an_untouched_disk_tier_decodes_as_the_cache_in_memory_does(_tier_dir: Path) -> None:
     loaded = tiny_llama(num_kv_heads=2)
     tiered, _ = tiered_cache(loaded, _tier_dir)
-    for _ in range(3):
-        forward(loaded.model, tiered, torch.randint(3, 96, (1, 1)))
+    in_memory = prefilled_cache(loaded)
+    tokens = torch.randint(3, 96, (3, 1, 1), generator=torch.Generator().manual_seed(1))
+    for step, token in enumerate(tokens):
+        expected = forward(loaded.model, in_memory, token)
+        actual = forward(loaded.model, tiered, token)
+        assert torch.equal(actual.view(torch.int32), expected.view(torch.int32)), (
+            f"decode step {step}: logits from the disk tier differ from the in-memory cache's")
 
 
 @pytest.mark.parametrize("change", ["overwritten", "truncated-and-re-extended"])

@@ -17,7 +17,6 @@ TIMING_MODULE = "kvlab.timing"
 # dates. Neither is a measurement kvlab reports, so neither needs kvlab.timing's device synchronization.
 NOT_TIMING: dict[tuple[str, str, str], str] = {
     ("kvlab.bandwidth", "TokenBucket.__init__", "perf_counter"): "a token bucket's refill clock: rate control",
-    ("kvlab.bandwidth", "TokenBucket.take", "perf_counter"): "a token bucket's refill clock: rate control",
     ("kvlab.serve.app", "create_app", "time"): "the `created` date of /v1/models (OpenAI wire format)",
     ("kvlab.serve.replies", "Reply.__init__", "time"): "the `created` date of a completion (OpenAI wire format)",
     ("kvlab.serve.engine", "ServeEngine.shutdown", "monotonic"): "the shutdown deadline",

@@ -1,6 +1,7 @@
 """`kvlab serve` on the embedded model, as evaluation and load-test clients read it: echo + logprobs equal
-transformers' log_softmax (openai client and raw HTTP), lossless scores equal plain ones, lossy scores are
-kvlab's own lossy decode; chat streams carry the role with the first token and log-probabilities."""
+transformers' log_softmax (openai client and raw HTTP), lossless scores match plain ones (the prompt's exactly,
+generated tokens' within a tolerance), lossy scores are kvlab's own lossy decode; chat streams carry the role
+with the first token and log-probabilities."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ pytestmark = pytest.mark.integration
 NEW_TOKENS = 6
 # The server's default prefill pieces: the offline runs below cut the prompt the same way.
 PREFILL_CHUNK_TOKENS = 512
+VERIFY_SCORE_TOLERANCE = 1e-4
+"""Absolute tolerance between a generated token's lossless and plain log-probabilities: lossless decoding scores
+its tokens in a verify forward over several tokens, plain decoding in one-token forwards, and matrix products of
+other shapes round the same fp32 sums differently (measured: up to 1.3e-5 apart on this model)."""
 
 
 @functools.cache
@@ -80,16 +85,18 @@ def offline(prompt: list[int], mode: str | None) -> RequestOutput:
     return engine.output(request_id)
 
 
-def test_lossless_scores_equal_plain_and_lossy_scores_are_its_own_decode(server: ServeProcess) -> None:
+def test_lossless_scores_match_plain_within_a_tolerance_and_lossy_scores_are_its_own_decode(
+    server: ServeProcess,
+) -> None:
     plain, lossless, lossy = (scored(server, MODES[mode][0]) for mode in ("plain", "lossless", "lossy"))
     prompt = embedded().encode_prompt(PASSAGE, raw=True)
     num_prompt = len(prompt)
     # The prompt's scores come from the same prefill in every mode (compression starts after the prompt).
     assert lossless["logprobs"]["token_logprobs"][:num_prompt] == plain["logprobs"]["token_logprobs"][:num_prompt]
     assert lossless["text"] == plain["text"]
-    torch.testing.assert_close(  # generated tokens: a verify forward over several tokens, in lossless decoding
+    torch.testing.assert_close(
         torch.tensor(lossless["logprobs"]["token_logprobs"][num_prompt:]),
-        torch.tensor(plain["logprobs"]["token_logprobs"][num_prompt:]), rtol=0, atol=1e-4)
+        torch.tensor(plain["logprobs"]["token_logprobs"][num_prompt:]), rtol=0, atol=VERIFY_SCORE_TOLERANCE)
     own = offline(prompt, "lossy")
     assert own.logprobs is not None and lossy["text"] == PASSAGE + own.text
     assert lossy["logprobs"]["token_logprobs"][num_prompt:] == own.logprobs.logprobs

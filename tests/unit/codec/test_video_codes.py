@@ -14,6 +14,7 @@ from kvlab.codec.framing import pack_sections, unpack_sections
 from kvlab.codec.layouts import as_tokens
 from kvlab.codec.quantized import QuantizedCodec
 from kvlab.codec.video_codes import VideoCodesCodec
+from kvlab.quant.groupwise import dequantize
 from tests.unit.codec.matrix import random_kv
 
 SHAPE = (6, 48, 64)
@@ -98,22 +99,35 @@ def test_the_hardware_pixel_layout_round_trips_on_the_cpu() -> None:
     assert np.array_equal(decoded, frames)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("video_format", ["hevc", "ffv1"])
-def test_corrupted_video_payloads_raise_codec_errors_or_decode_to_codes(video_format: str) -> None:
-    # Past the frame checksums: the decoder itself must fail cleanly on bytes it did not write.
-    codec = codes_codec(bits=4, format=video_format, preset="ultrafast")
+def test_corrupted_video_payloads_raise_codec_errors_or_decode_to_codes(video_format: str, bits: int) -> None:
+    # Past the frame checksums: the decoder itself must fail cleanly on bytes it did not write. At 4 bits
+    # most corrupted pixels are not codes (the error half); at 8 bits every pixel is one (the decode half).
+    codec = codes_codec(bits=bits, format=video_format, preset="ultrafast")
     chunk = as_tokens(random_kv(SHAPE))[:, :24]
     meta, video = unpack_sections(codec.encode_chunk(chunk), 2)
+    # Every value a valid code can decode to under the chunk's (uncorrupted) parameters: [codes, lead, t, D].
+    quantized = codec.quantize_chunk(chunk)
+    reachable = torch.stack([dequantize(dataclasses.replace(quantized, codes=torch.full_like(quantized.codes, code)),
+                                        chunk.dtype) for code in range(1 << codec.bits)])
     rng = random.Random(video_format)
+    decoded = 0
     for trial in range(24):
         corrupted = bytearray(video)
         for _ in range(1 + trial % 4):
             corrupted[rng.randrange(len(corrupted))] ^= 1 << rng.randrange(8)
-        target = torch.empty_like(chunk)
+        target = torch.full_like(chunk, float("nan"))
         try:
             codec.restore_by_token(pack_sections([bytes(meta), bytes(corrupted)]), target)
         except CodecError:
             continue
+        # Decoded, however wrong the codes: every element written, each the dequantization of some valid code.
+        unreachable = (reachable != target).all(dim=0).nonzero()
+        assert unreachable.numel() == 0, (
+            f"trial {trial}: no {bits}-bit code decodes to the values at (head, token, channel) {unreachable[:3]}")
+        decoded += 1
+    assert bits < 8 or decoded, "no corrupted 8-bit stream decoded: the decode half went untested"
 
 
 def test_a_stream_with_missing_frames_is_rejected() -> None:

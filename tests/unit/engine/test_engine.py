@@ -4,6 +4,7 @@ fetch, and a failing request fails alone."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,6 @@ from kvlab.lossless import LosslessConfig
 from kvlab.lossless import round as lossless_round
 from kvlab.models import LoadedModel
 from kvlab.store import create_store
-from kvlab.store.backends.link import ThrottledStore
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 from tests.helpers import tiny_llama
 
@@ -287,17 +287,24 @@ def test_drafters_that_score_with_every_prompt_query_decode_prompts_restored_or_
 # ----- fetch-aware admission (moved from the removed FetchAwareScheduler's tests)
 
 
-def slow_prefix(model: LoadedModel, prompt: list[int]) -> PrefixCache:
-    """A store holding `prompt`'s prefix behind a link slow enough that fetching it takes about 2 s."""
-    store = create_store("memory://")
-    config = PrefixConfig(chunk_tokens=CHUNK, allow_recompute=False)
-    writer = PrefixCache.for_model(model, store, config)
-    generate(model, [prompt], GenerationConfig(max_new_tokens=4, ignore_eos=True), prefix=writer)
-    writer.close()
-    # A KVStore is not a dict: keys() is its listing method, and the store itself is not iterable.
-    stored = sum(len(store.get(key) or b"") for key in store.keys())  # noqa: SIM118
-    link = ThrottledStore(store, bits_per_s=stored * 8 / 2.0, burst_bytes=1)
-    return PrefixCache.for_model(model, link, config)
+RELEASE_TIMEOUT_S = 30.0
+"""How long a held fetch waits for the test to release it: a guard against hanging, never a measurement."""
+
+
+def held_prefix(model: LoadedModel, prompt: list[int], release: threading.Event, events: list[tuple[str, Any]]
+                ) -> PrefixCache:
+    """`prompt`'s stored prefix, whose fetch waits until the test sets `release`: a fetch exactly as slow as
+    the test needs, without a clock. The fetch appends `("fetched", released)` to `events` when it returns."""
+    prefix = stored_prefix(model, [prompt])
+    fetch = prefix.fetch
+
+    def held_fetch(tokens: list[int], resolutions: tuple[str, ...] | None = None, chunks: list[int] | None = None):  # type: ignore[no-untyped-def]
+        released = release.wait(RELEASE_TIMEOUT_S)
+        events.append(("fetched", released))
+        return fetch(tokens, resolutions, chunks)
+
+    prefix.fetch = held_fetch  # type: ignore[method-assign]
+    return prefix
 
 
 @pytest.mark.parametrize("fetch_workers", [1, 0])
@@ -306,29 +313,38 @@ def test_requests_without_a_fetch_overtake_a_slow_fetch_only_when_fetching_in_th
 ) -> None:
     shared = [(5 * i + 7) % 90 + 3 for i in range(80)]
     config = GenerationConfig(max_new_tokens=4, ignore_eos=True)
-    finished_at: dict[int, float] = {}
-    first_token_at: dict[int, float] = {}
-    started = time.monotonic()
+    events: list[tuple[str, Any]] = []  # ("token", id), ("finished", id), ("fetched", released), in order
+    release = threading.Event()
+    if not fetch_workers:
+        release.set()  # fetched inline on this thread: holding it would hold the test itself
 
     def on_tokens(request_id: int, tokens: list[int]) -> None:
-        first_token_at.setdefault(request_id, time.monotonic() - started)
+        events.append(("token", request_id))
 
     engine = Engine(model, EngineConfig(max_num_seqs=4, interleave_prefill=True, fetch_workers=fetch_workers),
-                    SinglePrefixSource(slow_prefix(model, shared)), EngineCallbacks(on_tokens=on_tokens))
+                    SinglePrefixSource(held_prefix(model, shared, release, events)),
+                    EngineCallbacks(on_tokens=on_tokens))
     prompts = [shared + [9, 10]] + [[11 + i, 12, 13, 14] for i in range(3)]
     ids = [engine.add_request(Request(prompt, config)) for prompt in prompts]
+    reuse, others = ids[0], ids[1:]
     while engine.num_unfinished():
         if not engine.has_work():
-            time.sleep(0.01)
-        for request_id in engine.step():
-            finished_at[request_id] = time.monotonic() - started
+            time.sleep(0.001)  # only the background fetch is left: wait for it to land
+        events.extend(("finished", request_id) for request_id in engine.step())
+        if all(("finished", other) in events for other in others):
+            release.set()  # the held fetch may return once every other request is done
     engine.close()
-    reuse, others = ids[0], ids[1:]
+    fetched = next(index for index, (kind, _) in enumerate(events) if kind == "fetched")
+    assert events[fetched] == ("fetched", True), f"the fetch was never released: the others never finished {events}"
     assert engine.reused_tokens(reuse) == 5 * CHUNK
+    first_token = {request_id: events.index(("token", request_id)) for request_id in ids}
     if fetch_workers:
-        assert all(finished_at[other] < first_token_at[reuse] for other in others), (finished_at, first_token_at)
+        finished = {other: events.index(("finished", other)) for other in others}
+        assert all(finished[other] < fetched < first_token[reuse] for other in others), (
+            f"the requests with nothing to fetch did not finish while the fetch was held: {events}")
     else:
-        assert all(first_token_at[other] > first_token_at[reuse] for other in others), (finished_at, first_token_at)
+        assert all(fetched < first_token[reuse] < first_token[other] for other in others), (
+            f"an inline fetch must hold up the requests queued behind it: {events}")
     # Scheduling never changes what is generated.
     for request_id, prompt in zip(ids, prompts, strict=True):
         assert engine.output(request_id).token_ids == reference(model, prompt, config)

@@ -83,7 +83,14 @@ def test_engine_scores_equal_transformers_log_softmax(loaded: LoadedModel) -> No
     assert all(len(top) == 2 for top in output.prompt_logprobs.top)
 
 
-def test_lossless_scores_equal_plain_and_lossy_ones_are_its_own(loaded: LoadedModel) -> None:
+VERIFY_SCORE_TOLERANCE = 1e-4
+"""Absolute tolerance between a generated token's lossless and plain log-probabilities. Lossless decoding scores
+its tokens in a verify forward over several tokens, plain decoding in one-token forwards: the same fp32 sums
+through matrix products of other shapes, which may round differently (the embedded model's differ by up to
+1.3e-5; this tiny model's happened to agree bit for bit where measured). Tokens and prompt scores stay exact."""
+
+
+def test_lossless_scores_match_plain_within_a_tolerance_and_lossy_ones_are_its_own(loaded: LoadedModel) -> None:
     prompt = loaded.encode_prompt(PROMPT, raw=True)
     config = GenerationConfig(max_new_tokens=10, logprobs=1, prompt_logprobs=1, prefill_chunk_tokens=8)
     plain = run(loaded, Request(prompt, config))
@@ -92,9 +99,8 @@ def test_lossless_scores_equal_plain_and_lossy_ones_are_its_own(loaded: LoadedMo
     assert lossless.token_ids == plain.token_ids
     assert lossless.prompt_logprobs == plain.prompt_logprobs  # the same prefill, bit for bit
     assert plain.logprobs is not None and lossless.logprobs is not None and lossy.logprobs is not None
-    # Generated tokens' scores come from a verify forward over several tokens in lossless decoding.
     torch.testing.assert_close(torch.tensor(lossless.logprobs.logprobs), torch.tensor(plain.logprobs.logprobs),
-                               rtol=0, atol=1e-4)
+                               rtol=0, atol=VERIFY_SCORE_TOLERANCE)
     assert lossy.logprobs.logprobs != plain.logprobs.logprobs  # read from the compressed cache
     assert lossy.logprobs.token_ids == lossy.token_ids
 

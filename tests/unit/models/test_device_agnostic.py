@@ -114,9 +114,15 @@ def test_the_stopwatch_waits_for_the_device_at_both_ends(monkeypatch: pytest.Mon
     assert backend.calls == [(torch.device("cuda:1"),)] * 2
 
 
-def test_synchronizing_the_cpu_or_meta_device_does_nothing() -> None:
-    synchronize("cpu")
-    synchronize("meta")
+def test_synchronizing_the_cpu_or_meta_device_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.cpu has a synchronize of its own; a backend under each name shows whether one is called.
+    backend = _RecordingBackend()
+    monkeypatch.setattr(torch, "cpu", backend)
+    monkeypatch.setattr(torch, "meta", backend, raising=False)
+    for device in ("cpu", "meta", torch.device("cpu", 0)):
+        synchronize(device)
+        Stopwatch(device).elapsed()
+    assert backend.calls == [], f"synchronizing the host devices called a backend: {backend.calls}"
 
 
 def test_a_device_torch_cannot_synchronize_is_an_error() -> None:

@@ -4,6 +4,7 @@ move and save, invisible to the model's identity, and greedy output equal to tra
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -23,7 +24,24 @@ from kvlab.models.packed_linear import (
 from tests.families import FAMILIES, Family
 from tests.helpers import plain_attention, tiny_llama, tiny_tokenizer, transformers_greedy
 
-pytestmark = pytest.mark.skipif(not packing_available("cpu", torch.float32), reason="no oneDNN in this torch")
+NO_ONEDNN = (
+    "this torch has no oneDNN linear packing (torch.backends.mkldnn), so kvlab's default CPU load path (packed "
+    "linear layers) is untested here; install the standard PyPI torch build"
+)
+
+
+def require_onednn(available: bool) -> None:
+    """Skip without oneDNN, except under CI (CI=true), where the default load path must be tested: fail."""
+    if available:
+        return
+    if os.environ.get("CI", "").lower() in ("1", "true"):
+        pytest.fail(NO_ONEDNN + " (CI must run these tests)")
+    pytest.skip(NO_ONEDNN)
+
+
+@pytest.fixture(autouse=True)
+def _onednn() -> None:
+    require_onednn(packing_available("cpu", torch.float32))
 
 RELATIVE_TOLERANCE = 1e-5
 """Packed products are float32 sums in oneDNN's order: measured within 3e-6 of `F.linear`'s, relative to
@@ -127,6 +145,18 @@ def test_a_tied_lm_head_is_packed_as_a_copy_and_the_embedding_stays() -> None:
     assert isinstance(head, PackedLinear) and head.tied
     assert model.get_input_embeddings().weight is embedding
     assert torch.equal(head.weight, embedding)
+
+
+def test_a_torch_without_onednn_fails_these_tests_under_ci_and_skips_them_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI must run these tests"):
+        require_onednn(False)
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="no oneDNN linear packing"):
+        require_onednn(False)
+    require_onednn(True)
 
 
 def test_packing_refuses_what_it_cannot_pack() -> None:

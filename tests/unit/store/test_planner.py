@@ -50,10 +50,31 @@ def test_the_cut_balances_fetch_and_recompute() -> None:
     assert plan == ["exact", "exact", RECOMPUTE]
 
 
+class FakeClock:
+    """A clock that moves only when slept on or moved by the test: the bucket's waits are read, not timed."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
 def test_token_bucket_charges_transfers_at_its_rate() -> None:
-    bucket = TokenBucket(rate=1e6, burst=1000)
-    assert bucket.take(1000) == 0.0  # the burst is free
-    assert bucket.take(2000) == pytest.approx(2e-3, rel=0.2)  # then 2000 bytes at 1 MB/s
+    # 1000 bytes/s and a 500-byte burst: every wait below is an exact binary fraction of a second.
+    clock = FakeClock()
+    bucket = TokenBucket(rate=1000, burst=500, clock=clock, sleep=clock.sleep)
+    assert bucket.take(500) == 0.0 and clock.slept == [], "the burst is free"
+    assert bucket.take(1500) == 1.5 and clock.slept == [1.5], "1500 bytes past the burst take 1.5 s at 1000 B/s"
+    # The sleep paid the debt and no more: the next transfer starts from an empty bucket.
+    assert bucket.take(250) == 0.25 and clock.slept == [1.5, 0.25]
+    clock.now += 60.0  # idle for a minute: the bucket refills to its burst, not to 60000 bytes
+    assert bucket.take(500) == 0.0 and bucket.take(1) == 1e-3, "an idle bucket saves up no more than its burst"
     with pytest.raises(ConfigError):
         TokenBucket(rate=0, burst=1)
 

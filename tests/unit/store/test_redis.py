@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import shutil
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -67,11 +67,55 @@ def test_bad_redis_urls_are_config_errors(url: str, message: str) -> None:
 def test_a_port_without_a_server_is_store_unavailable() -> None:
     port = free_port()
     store = create_store(f"redis://127.0.0.1:{port}/0?timeout=0.5")
-    started = time.monotonic()
     for operation in (lambda: store.get("k"), lambda: store.put("k", b"v"), lambda: store.keys()):
         with pytest.raises(StoreUnavailableError, match=rf"redis://127.0.0.1:{port}/0.*redis-server --port {port}"):
             operation()
-    assert time.monotonic() - started < 5, "an unreachable server must fail fast with a short timeout"
+    store.close()
+
+
+class FakeClock:
+    """Seconds that pass only when a fake connection attempt times out or a retry backs off."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+CONNECT_ATTEMPTS = 2
+"""A try and the one immediate retry RedisStore configures (`Retry(NoBackoff(), 1)`)."""
+
+
+def test_a_silent_server_fails_each_operation_within_the_urls_timeout_per_attempt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A host that never answers: every connection attempt waits out its whole timeout, on a fake clock.
+    clock, timeouts = FakeClock(), []
+
+    def connect_that_times_out(connection: redis.connection.Connection) -> None:
+        timeouts.append(connection.socket_connect_timeout)
+        clock.now += connection.socket_connect_timeout or float("inf")  # no timeout: it would wait forever
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(redis.connection.Connection, "_connect", connect_that_times_out)
+    monkeypatch.setattr(redis.retry, "sleep", clock.sleep)  # redis-py's backoff between retries
+    store = create_store("redis://192.0.2.1:6379/0?timeout=0.5")  # TEST-NET-1: never routed
+    operations: dict[str, Callable[[], object]] = {
+        "get": lambda: store.get("k"), "put": lambda: store.put("k", b"v"), "keys": store.keys,
+        "contains": lambda: store.contains("k"), "get_many": lambda: store.get_many(["a", "b"]),
+    }
+    for name, operation in operations.items():
+        started, timeouts[:] = clock.now, []
+        with pytest.raises(StoreUnavailableError, match=r"192\.0\.2\.1:6379.*Timeout connecting"):
+            operation()
+        assert timeouts and set(timeouts) == {0.5}, f"{name}: connect timeouts {timeouts}, not the URL's 0.5 s"
+        assert clock.now - started <= CONNECT_ATTEMPTS * 0.5, (
+            f"{name} gave up after {len(timeouts)} attempts ({clock.now - started} s): more than "
+            f"{CONNECT_ATTEMPTS} of the URL's timeout")
+    assert clock.slept == [], f"a server that is down must not be retried with backoff: slept {clock.slept}"
     store.close()
 
 
