@@ -288,7 +288,12 @@ def measure_sample(
     generation: GenerationConfig,
     repeats: int,
 ) -> dict[str, Any]:
-    """Generate `repeats` times (median timings), score the output, and return the sample's record."""
+    """Generate `repeats` times (median timings), score the output, and return the sample's record.
+
+    Raises:
+        Exception: What failed a generation (`generate` raises it rather than return a failed request
+            as an answer): no record is made, so the cell stays unfinished and a resumed run retries it.
+    """
     method = run.method
     runs, outputs, lossless_stats = [], [], []
     with track_peak_memory(loaded.device) as peak:

@@ -15,6 +15,7 @@ from kvlab.engine import generate, generate_lossless
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, GenerationOutput
 from kvlab.lossless import LosslessConfig, LosslessOutput
+from kvlab.lossless.config import lossless_exact
 from kvlab.lossless.prompt_lookup import split_drafter_name
 from kvlab.models import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
 from kvlab.store.prefix import PrefixCache, PrefixConfig
@@ -55,10 +56,11 @@ class GenerateCommand(Command):
             metavar="KEY=VALUE",
             help="a compressor parameter, e.g. compression_ratio=0.9 or bits=4 (repeatable)",
         )
-        lossless = parser.add_argument_group("lossless speculative decoding (output identical to the full cache)")
-        lossless.add_argument(
-            "--lossless", action="store_true", help="draft from a compressed cache, verify with the full one"
-        )
+        lossless = parser.add_argument_group("lossless speculative decoding (identical greedy output in float32)")
+        lossless.add_argument("--lossless", action="store_true", help="draft from a compressed cache, verify with the "
+                              "full one; greedy output equals plain decoding with --dtype float32 only (in bfloat16/"
+                              "float16 a verify forward over k tokens rounds differently from k single steps, so "
+                              "tokens may differ; --json reports lossless_exact)")
         lossless.add_argument(
             "--drafter", default="snapkv",
             help="compressor whose cache drafts; ngram+NAME also drafts by prompt lookup (e.g. ngram+snapkv)",
@@ -177,6 +179,7 @@ def _report(
             draft_s=rounds.draft_s,
             verify_s=rounds.verify_s,
             kv_load_s=rounds.kv_load_s,
+            lossless_exact=lossless_exact(loaded.dtype),
         )
     if stream is None:
         print_json(

@@ -2,16 +2,20 @@
 
 A codec is a registered dataclass whose fields are its parameters. Subclasses only turn one chunk
 `[lead, t, D]` into bytes and back (`encode_chunk` / `decode_chunk`); the base splits tensors into
-token chunks, writes and checks the frame (see `framing`), and turns any failure on untrusted bytes
-into `CodecError`.
+token chunks, writes and checks the frame (see `framing`), and turns what decoders raise on malformed
+bytes into `CodecError` (`untrusted_payload`); anything else, a kvlab bug or a `MemoryError`, goes on
+up as itself.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import math
-from collections.abc import Sequence
+import struct
+import sys
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -19,7 +23,7 @@ import zstandard
 
 from kvlab.codec import framing, layouts
 from kvlab.codec.errors import CodecError
-from kvlab.errors import ConfigError
+from kvlab.errors import ConfigError, KvlabError
 from kvlab.registry import Registry, to_dict
 
 Lossless = Literal["bit-exact", "codes", "lossy"]
@@ -29,6 +33,13 @@ ChunkShape = tuple[int, int, int]
 codecs: Registry[Codec] = Registry("codec")
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# What decoders raise on malformed bytes: numpy on buffers of the wrong size (ValueError), short reads
+# (IndexError, EOFError, struct.error), values out of range (OverflowError), and zstd. PyAV's errors
+# are recognised by `malformed_input` without importing PyAV (an optional dependency).
+MALFORMED_INPUT_ERRORS: tuple[type[Exception], ...] = (
+    ValueError, IndexError, EOFError, OverflowError, struct.error, zstandard.ZstdError
+)
 
 
 @dataclasses.dataclass
@@ -107,13 +118,8 @@ class Codec(abc.ABC):
         Raises:
             CodecError: A payload does not decode to exactly its target's shape and dtype.
         """
-        try:
+        with untrusted_payload(self.name):
             self.decode_chunks_into(payloads, targets)
-        except CodecError:
-            raise
-        except Exception as error:
-            # Untrusted bytes reach third-party decoders (zstd, libav) whose errors vary by version.
-            raise CodecError(f"{self.name} payload does not decode: {type(error).__name__}: {error}") from error
 
     def reconstruct(self, tensor: torch.Tensor) -> torch.Tensor:
         """What `decode(encode(tensor))` must equal bit for bit (the input itself, for bit-exact codecs)."""
@@ -150,6 +156,39 @@ class Codec(abc.ABC):
         """The chunk `[lead, t, D]` of `dtype` that `payload` holds."""
 
 
+def malformed_input(error: BaseException) -> bool:
+    """Whether `error`, raised while decoding untrusted bytes, says the bytes are malformed.
+
+    Out of memory is not (the machine's state, not the data's); nor are kvlab's own errors other than
+    `CodecError` (a `ConfigError` such as a missing PyAV says what to install), nor a `TypeError`,
+    `AttributeError` or `AssertionError` (kvlab bugs), nor `KeyboardInterrupt`.
+    """
+    if isinstance(error, CodecError):
+        return True
+    if isinstance(error, (MemoryError, KvlabError)):
+        return False
+    # PyAV is optional: its errors exist only once it is imported, and it raises different types for
+    # the same bad packet across versions (InvalidDataError, ArgumentError, PatchWelcomeError...).
+    av_error = sys.modules.get("av.error")
+    return isinstance(error, MALFORMED_INPUT_ERRORS) or (
+        av_error is not None and isinstance(error, av_error.FFmpegError)
+    )
+
+
+@contextlib.contextmanager
+def untrusted_payload(codec_name: str) -> Iterator[None]:
+    """Decode untrusted bytes in this block: an error that says they are malformed becomes a
+    `CodecError` whose `__cause__` is that error; any other error goes on up unchanged."""
+    try:
+        yield
+    except CodecError:
+        raise
+    except Exception as error:
+        if not malformed_input(error):
+            raise
+        raise CodecError(f"{codec_name} payload does not decode: {type(error).__name__}: {error}") from error
+
+
 def target_shape(target: torch.Tensor) -> ChunkShape:
     return target.shape[0], target.shape[1], target.shape[2]
 
@@ -183,8 +222,8 @@ def zstd_decompress(data: bytes | memoryview, expected_size: int) -> bytes:
         return b""
     try:
         declared = zstandard.frame_content_size(data)
-    except zstandard.ZstdError:
-        raise CodecError("zstd block has no valid frame header") from None
+    except zstandard.ZstdError as error:
+        raise CodecError("zstd block has no valid frame header") from error
     # python-zstandard allocates the content size a frame declares and ignores max_output_size then:
     # a 16 KB block may declare gigabytes, so the declaration is checked first.
     if 0 <= declared != expected_size:

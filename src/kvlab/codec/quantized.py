@@ -23,6 +23,7 @@ from kvlab.codec.base import (
     check_kind,
     copy_checked,
     target_shape,
+    untrusted_payload,
     zstd_compress,
     zstd_decompress,
 )
@@ -114,12 +115,8 @@ class QuantizedCodec(Codec):
         Raises:
             CodecError: The payload does not decode to exactly the target's shape.
         """
-        try:
+        with untrusted_payload(self.name):
             return self._restore_by_token(payload, target, on_token)
-        except CodecError:
-            raise
-        except Exception as error:
-            raise CodecError(f"{self.name} payload does not decode: {type(error).__name__}: {error}") from error
 
     def _restore_by_token(
         self, payload: bytes | memoryview, target: torch.Tensor, on_token: Callable[[int], None] | None

@@ -29,8 +29,8 @@ def codec_for_header(header: framing.FrameHeader) -> Codec:
     """The codec a frame header names, built with the header's parameters and checked against it."""
     try:
         codec = codecs.create(header.codec, **header.params)
-    except Exception as error:  # parameters come from untrusted bytes
-        raise CodecError(f"frame names a codec this kvlab cannot build: {error}") from None
+    except ConfigError as error:  # name and parameters come from untrusted bytes; the registry checks both
+        raise CodecError(f"frame names a codec this kvlab cannot build: {error}") from error
     codec.check_header(header)
     return codec
 

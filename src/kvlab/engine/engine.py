@@ -4,8 +4,8 @@
 then runs one tick: every running sequence's next feed, packed into one forward per set of weights
 (`kvlab.engine.runner`). Lossless sequences draft and verify on their own schedules
 (`kvlab.lossless.round`); plain and lossy ones take one token per tick (`kvlab.generation.feed`).
-A failure in one request's work fails that request alone; a failing forward fails the sequences it
-carried. The engine is not thread-safe: one thread drives it (a server wraps it in queues).
+A failure in one request's work fails that request alone (stop reason "error"); a failing forward fails
+the sequences it carried. The engine is not thread-safe: one thread drives it (a server wraps it in queues).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from kvlab.generation.outputs import GenerationStats, RequestOutput, finish_timi
 from kvlab.generation.prefill import PrefillCaches, PrefixReuse, PromptPrefill, check_prompts
 from kvlab.generation.sampling import sampling_generator, select_next_tokens
 from kvlab.generation.stopping import StopChecker
+from kvlab.lossless.config import warn_if_inexact
 from kvlab.lossless.draft_length import StepCosts
 from kvlab.lossless.gate import DraftingGate
 from kvlab.lossless.remote_prefix import PrefixTarget, start_remote
@@ -94,6 +95,7 @@ class Engine:
         generator = sampling_generator(request.config, self.loaded.device)
         if lossless is not None:
             self._drafter(lossless.draft_weights)
+            warn_if_inexact(self.loaded.dtype)
         checker = StopChecker(request.config, self.loaded.eos_token_ids, self.loaded.decode)
         sequence = Sequence(self._next_id, request, generator, checker, self._on_emit, prefilled=prefilled)
         if request.config.logprobs is not None:
@@ -129,14 +131,14 @@ class Engine:
             self._finish(sequence, [])
 
     def output(self, request_id: int) -> RequestOutput:
-        """What the request produced so far (its text cut before a stop string)."""
+        """What the request produced so far (its text cut before a stop string; a failed one names its failure)."""
         sequence = self._sequences[request_id]
         text = sequence.checker.final_text(self.loaded.decode(sequence.token_ids, sequence.config.skip_special_tokens))
         return RequestOutput(sequence.request.prompt, list(sequence.token_ids), text, sequence.stop_reason or "length",
-                             sequence.logprobs, sequence.prompt_logprobs)
+                             sequence.logprobs, sequence.prompt_logprobs, sequence.failure)
 
     def error(self, request_id: int) -> BaseException | None:
-        """What failed the request, or None."""
+        """What failed the request (the exception itself), or None."""
         return self._sequences[request_id].error
 
     def round_stats(self, request_id: int) -> LosslessStats | None:
@@ -373,11 +375,9 @@ class Engine:
         finished.append(sequence)
 
     def _fail(self, sequence: Sequence, error: BaseException, finished: list[Sequence]) -> None:
-        if sequence.status is Status.FINISHED:
-            return
-        sequence.error = error
-        sequence.stop_reason = sequence.stop_reason or "cancelled"
-        self._finish(sequence, finished)
+        if sequence.status is not Status.FINISHED:
+            sequence.error, sequence.stop_reason = error, sequence.stop_reason or "error"  # a stop rule's stays
+            self._finish(sequence, finished)
 
     def _records(self) -> GenerationStats | None:
         """Where per-request records (prefix fetches) go: the engine's figures, or nowhere in a

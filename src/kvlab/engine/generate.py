@@ -40,6 +40,12 @@ def generate(
         prefix: Restore stored prompt prefixes and save new ones (see `kvlab.store.PrefixCache`);
             with bit-exact resolutions the output is identical to computing every prompt token.
         on_tokens: Called with (prompt index, tokens) as they are emitted (streaming).
+
+    Raises:
+        ConfigError: A prompt does not fit the model or a setting cannot be honoured (before any work).
+        Exception: What failed a request, as it was raised, once the others have finished: a failed
+            request never comes back looking like an answer (an `Engine` reports each request's
+            outcome instead: stop reason "error" and the failure in its `RequestOutput`).
     """
     requests = [Request(prompt, config, compressor=compressor) for prompt in prompts]
     outputs, stats, _ = run_requests(loaded, requests, prefix, EngineCallbacks(on_tokens, on_progress))
@@ -57,8 +63,10 @@ def generate_lossless(
 ) -> LosslessOutput:
     """Generate with a compressed-cache drafter and full-cache verification (VeriCache).
 
-    Greedy output equals `generate` with the full cache (float32), token for token; with sampling the
-    tokens follow the full model's distribution.
+    Greedy output equals `generate` with the full cache, token for token, when the model runs in
+    float32; in bfloat16/float16 a verify forward over k tokens rounds differently from k single steps,
+    so tokens may differ (logged once per process; see `kvlab.lossless.config.lossless_exact`). With
+    sampling the tokens follow the full model's distribution.
 
     Args:
         loaded: Model from `kvlab.models.load_model`.
@@ -69,6 +77,10 @@ def generate_lossless(
         prefix: Restore stored prompt prefixes (into the full and the draft cache; bit-exact chunks
             only, so output stays identical) and save new ones.
         on_tokens: Called with (prompt index, tokens) as they are emitted (streaming).
+
+    Raises:
+        ConfigError: A prompt does not fit the model or a setting cannot be honoured (before any work).
+        Exception: What failed a request, as it was raised, once the others have finished (see `generate`).
     """
     requests = [Request(prompt, config, lossless=lossless) for prompt in prompts]
     outputs, stats, rounds = run_requests(loaded, requests, prefix, EngineCallbacks(on_tokens, on_progress))
@@ -82,7 +94,8 @@ def run_requests(
 
     Raises:
         ConfigError: A prompt does not fit the model or a setting cannot be honoured (before any work).
-        Exception: What failed a request, re-raised once the others have finished.
+        Exception: What failed a request (the first in the given order), re-raised as it was once the
+            others have finished, so no failed request is returned as if it were an answer.
     """
     # Every prompt is checked before any work, named by its index in the batch.
     check_prompts(

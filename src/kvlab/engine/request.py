@@ -23,7 +23,7 @@ class Request:
     The mode follows from what is given: neither `compressor` nor `lossless` decodes plainly from the
     full cache; `compressor` decodes lossily from the cache it compresses; `lossless` drafts from its
     drafter's compressed cache and verifies with the full one (the plain output, token for token when
-    greedy).
+    greedy in float32; see `LosslessConfig`).
 
     Attributes:
         prompt: Token ids the model is fed.

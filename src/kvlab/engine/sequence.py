@@ -44,7 +44,8 @@ class Sequence:
         status: Where it is.
         token_ids: Generated so far.
         stop_reason: Why it stopped (None while it runs).
-        error: What failed it, when something did (its output then raises it).
+        error: What failed it, when something did (its stop reason is then "error", unless a stop rule
+            had already ended it).
         fetch: Its prefix, being fetched in the background before prefill (None: fetched at prefill).
         prefilled: Its prompt's caches and last logits, when prefilled elsewhere (consumed at admission).
         prefill: Its prompt's prefill, piece by piece, while prefilling.
@@ -92,6 +93,13 @@ class Sequence:
     def ready(self) -> bool:
         """Admissible: no prefix fetch is still on its way."""
         return self.fetch is None or self.fetch.done()
+
+    @property
+    def failure(self) -> str | None:
+        """What failed it, as "<ExceptionType>: <message>" (None unless its stop reason is "error")."""
+        if self.stop_reason != "error" or self.error is None:
+            return None
+        return f"{type(self.error).__name__}: {self.error}"
 
     @property
     def stored_cache(self) -> KVCache | None:

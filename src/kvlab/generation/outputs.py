@@ -76,10 +76,13 @@ class RequestOutput:
         prompt_token_ids: Exactly the ids the model was fed.
         token_ids: Generated ids, including a final end-of-sequence token when generation hit one.
         text: Decoded `token_ids` without special tokens, cut before a stop string.
-        stop_reason: "eos", "stop_string", "length" or "cancelled".
+        stop_reason: "eos", "stop_string", "length", "cancelled", or "error" when something failed the
+            request (its tokens and text are then only what it produced before failing: not an answer).
         logprobs: Scores of `token_ids`, when `GenerationConfig.logprobs` asked for them.
         prompt_logprobs: Scores of the prompt's tokens after the first, when
             `GenerationConfig.prompt_logprobs` asked for them.
+        error: What failed the request, as "<ExceptionType>: <message>" (None unless `stop_reason` is
+            "error").
     """
 
     prompt_token_ids: list[int]
@@ -88,6 +91,7 @@ class RequestOutput:
     stop_reason: StopReason
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
+    error: str | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -8,7 +8,8 @@ from typing import Literal
 from kvlab.generation.config import GenerationConfig
 
 # "cancelled": the caller withdrew the request (a server's client went away) before it finished.
-StopReason = Literal["eos", "stop_string", "length", "cancelled"]
+# "error": something failed the request; its output holds the tokens so far and names the failure.
+StopReason = Literal["eos", "stop_string", "length", "cancelled", "error"]
 
 
 class StopChecker:

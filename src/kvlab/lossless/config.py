@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Literal
+
+import torch
 
 from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
@@ -13,14 +16,28 @@ from kvlab.lossless.prompt_lookup import NGRAM_PREFIX, LookupChoice, PromptLooku
 from kvlab.models.draft_weights import DRAFT_WEIGHTS, DraftWeights
 from kvlab.store.resolution import RESOLUTIONS, get_resolution
 
+logger = logging.getLogger(__name__)
+
 Schedule = Literal["staggered", "synchronous"]
 SCHEDULES: tuple[Schedule, ...] = ("staggered", "synchronous")
+
+INEXACT_REASON = (
+    "greedy output equals plain decoding only in float32: in bfloat16/float16 a verify forward over k tokens "
+    "rounds differently from k single steps, so tokens may differ"
+)
+_inexact_warned = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LosslessConfig:
     """How to draft and verify (where the full KV lives is `GenerationConfig.full_kv_tier`; each
-    field's help says what it does, and `kvlab generate` shows the same text)."""
+    field's help says what it does, and `kvlab generate` shows the same text).
+
+    Greedy output is token-identical to plain full-KV decoding when the model runs in float32
+    (`lossless_exact`). In bfloat16/float16 it is not guaranteed: a verify forward over k tokens
+    rounds differently from k single-token steps, so an argmax can flip and the tokens from there on
+    differ; the engine logs a warning once per process.
+    """
 
     drafter: Compressor = dataclasses.field(
         metadata={"help": "the compressor whose cache drafts (any registered method)"}
@@ -105,3 +122,19 @@ class LosslessConfig:
         """A draft-length controller for one sequence, sharing the run's measured `costs` and its `gate`."""
         fixed = None if self.num_draft_tokens == "auto" else int(self.num_draft_tokens)
         return DraftLengthController(costs, fixed=fixed, gate=gate, max_num_draft_tokens=self.max_num_draft_tokens)
+
+
+def lossless_exact(dtype: torch.dtype) -> bool:
+    """Whether greedy lossless decoding of a model in `dtype` is token-identical to plain decoding:
+    only in float32 (see `INEXACT_REASON`)."""
+    return dtype == torch.float32
+
+
+def warn_if_inexact(dtype: torch.dtype) -> None:
+    """Log, once per process, that lossless decoding of a model in `dtype` may change tokens (nothing
+    in float32)."""
+    global _inexact_warned
+    if lossless_exact(dtype) or _inexact_warned:
+        return
+    _inexact_warned = True
+    logger.warning("lossless decoding in %s: %s", str(dtype).removeprefix("torch."), INEXACT_REASON)

@@ -124,9 +124,10 @@ def load_model(
         name: None or "smollm2" for the embedded default; see `kvlab ls` for other aliases.
         dtype: "float32", "bfloat16" or "float16". kvlab's equality claims (identity compression,
             lossless decoding, prefix reuse, greedy output equal to transformers') are bit-level in
-            float32. In bfloat16/float16 they hold at the argmax level: on a GPU the fused attention
-            and matmul kernels may round partial sums differently between kvlab's call shapes and
-            the reference's, so logits can differ in their last bits.
+            float32. In bfloat16/float16 logits can differ in their last bits (kernels round partial
+            sums differently between call shapes), and lossless decoding's greedy output may differ
+            from plain decoding: a verify over k tokens rounds differently from k single steps, and a
+            near-tie can flip (kvlab warns once; `LosslessConfig` says more).
         device: A torch device string ("cpu", "cuda", "cuda:1").
         packed_weights: On a CPU in float32 or bfloat16, run the linear layers through oneDNN with
             weights packed once (`kvlab.models.packed_linear`): decode steps read them about 1.7x

@@ -44,7 +44,7 @@ PAGE = """<!doctype html>
 <main>
   <h1>kvlab serve</h1>
   <div class="sub">Model <code>{{MODEL}}</code>. Lossless mode drafts from a compressed cache and verifies
-    with the full one: greedy output is the plain output, token for token.</div>
+    with the full one: greedy output is the plain output, token for token (in float32).</div>
   <textarea id="prompt" placeholder="Ask something...">What is the capital of France?</textarea>
   <div class="row">
     <label>Mode <select id="mode">
@@ -62,7 +62,7 @@ PAGE = """<!doctype html>
   <div id="mode-note" class="note lossy-only">Lossy mode decodes from the drafter's compressed KV cache: the
     compressor drops or quantizes KV entries, so the output is expected to differ from full-KV (plain) output
     and can degrade at small budgets. Lossless mode drafts from the same compressed cache and verifies with the
-    full cache, so its output is the plain output (token for token at temperature 0).</div>
+    full cache, so its output is the plain output (token for token at temperature 0, in float32).</div>
   <div id="output-box">
     <div id="output-note" class="note lossy-only">Lossy output: read from a compressed KV cache, expected to
       differ from plain output. Lossless mode gives the plain output.</div>

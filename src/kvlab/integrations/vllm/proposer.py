@@ -4,7 +4,7 @@ vLLM (`speculative_config={"method": "custom_class", "model": "kvlab.integration
 builds it with the engine's config, hands it the target model in `load_model`, and calls `propose`
 every step with each batch row's token history. The proposer drafts `num_speculative_tokens` greedy
 tokens per row from the same checkpoint running on a kvlab compressed cache; vLLM verifies them
-with its full KV, so output is identical to plain decoding whatever the drafts are.
+with its full KV, so output is identical to plain decoding whatever the drafts are (greedy, in float32).
 
 With `KVLabConnector` in the same engine (`kv_connector_extra_config` may be empty), each step's rows
 come with their request ids and vLLM's pages (`kvlab.integrations.vllm.handover`):
