@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from kvlab.compress import compressors
-from kvlab.serve.protocol import MAX_BODY_BYTES, MAX_INT_DIGITS, MAX_JSON_DEPTH
+from kvlab.serve.body import MAX_BODY_BYTES, MAX_INT_DIGITS, MAX_JSON_DEPTH
 from tests.helpers import free_port
 from tests.integration.test_serve.server import ServeProcess
 from tests.integration.test_serve.test_page import chromium
@@ -43,14 +43,16 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 @pytest.fixture(scope="module")
 def guarded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    """A key from a file others may read, one allowed origin, and 500 tokens in the system at most."""
+    """A key from a file others may read, one allowed origin, and 500 tokens in the system at most, which one
+    request may take whole, with no line to wait in for them (429 at once)."""
     workdir = tmp_path_factory.mktemp("guarded")
     key_file = workdir / "key"
     key_file.write_text(KEY + "\n")
     key_file.chmod(0o644)
     # --api-key-file wins over a KVLAB_API_KEY the environment may hold.
     process = ServeProcess(workdir, "--model", str(tiny_model_dir), "--api-key-file", str(key_file),
-                           "--allowed-origins", "https://app.example", "--max-tokens-in-system", "500")
+                           "--allowed-origins", "https://app.example", "--max-tokens-in-system", "500",
+                           "--max-tokens-per-request", "500", "--max-queued-requests", "0")
     yield process
     process.stop()
 

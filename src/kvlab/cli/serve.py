@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import stat
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvlab.cli.base import Command
 from kvlab.cli.flags import add_config_flags, given_values
 from kvlab.errors import ConfigError
 from kvlab.serve.config import ServeConfig
+
+if TYPE_CHECKING:
+    from kvlab.serve.server import ServerStart
 
 logger = logging.getLogger(__name__)
 
@@ -22,9 +28,9 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("model", "dtype", "device", "unpacked_weights"),
     "network and access": ("host", "port", "allowed_hosts", "allowed_origins", "metrics_prefix"),
     "limits": ("max_num_seqs", "max_queued_requests", "max_prompt_tokens", "max_tokens_limit", "max_tokens_in_system",
-               "prefill_chunk_tokens", "shutdown_timeout_s"),
+               "max_tokens_per_request", "prefill_chunk_tokens", "shutdown_timeout_s"),
     "default decoding (a request overrides it in its \"kvlab\" field)": (
-        "mode", "drafter", "drafter_args", "num_draft_tokens", "draft_weights",
+        "mode", "drafter", "drafter_args", "num_draft_tokens", "draft_weights", "allowed_draft_weights",
     ),
     "prefix reuse": ("prefix_store", "prefix_chunk_tokens", "fetch_workers", "max_cache_salts"),
 }
@@ -35,7 +41,7 @@ FLAGS = {
     "shutdown_timeout_s": ["--shutdown-timeout"],
 }
 # Flags whose values may also list several entries separated by commas.
-LISTS = ("allowed_hosts", "allowed_origins")
+LISTS = ("allowed_hosts", "allowed_origins", "allowed_draft_weights")
 
 
 class ServeCommand(Command):
@@ -57,7 +63,22 @@ class ServeCommand(Command):
         config = config_from_args(args)
         from kvlab.serve.server import run_server  # torch, transformers and uvicorn load here
 
-        return run_server(config, verbose=bool(getattr(args, "verbose", False)))
+        code = run_server(config, verbose=bool(getattr(args, "verbose", False)), on_start=print_banner)
+        # The interpreter's last collections walk every object torch and transformers made: about a second
+        # of CPU, several on a loaded machine, past the shutdown timeout. Nothing left is worth collecting.
+        gc.freeze()
+        return code
+
+
+def print_banner(start: ServerStart) -> None:
+    """What a started server serves, and its limits (on stderr: stdout stays free for data)."""
+    config = start.config
+    print(
+        f"kvlab serve: {start.model_name} on {start.url} (mode {config.mode}; {config.max_num_seqs} running, "
+        f"{config.max_queued_requests} queued at most, {config.tokens_per_request} tokens per request)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:

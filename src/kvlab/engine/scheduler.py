@@ -5,6 +5,13 @@ being fetched in the background waits without holding up the ones behind it (no 
 blocking), and joins once its KV has landed. At most `max_num_seqs` sequences prefill or decode at
 once. Prefill either runs one piece per tick, so a long prompt never stalls the running streams for
 more than one piece (a server), or completes every admitted prompt before decoding (offline batches).
+
+Interleaved prefill is shared round-robin among the prefilling sequences: each tick prefills one
+piece of the sequence at the head of the line, which then goes to the back (unless that piece was its
+last). So a prompt of k pieces beside n others prefilling starts decoding within about k x (n + 1)
+ticks, whatever their lengths: a short request beside a 6,000-token prompt waits for a few pieces of
+it, not for all of them, and the long prompt still gets a piece every n + 1 ticks (no one starves).
+Each tick still costs one piece, so the running streams see the same bound as before.
 """
 
 from __future__ import annotations
@@ -47,10 +54,15 @@ class Scheduler:
                 self.prefilling.append(sequence)
 
     def to_prefill(self) -> list[Sequence]:
-        """The sequences to prefill this tick: the oldest one (a piece of it), or every admitted one."""
+        """The sequences to prefill this tick: the next in the round-robin (a piece of it; it moves to the
+        back of the line), or every admitted one (whole prompts)."""
         if not self.prefilling:
             return []
-        return [self.prefilling[0]] if self.interleave_prefill else list(self.prefilling)
+        if not self.interleave_prefill:
+            return list(self.prefilling)
+        sequence = self.prefilling[0]
+        self.prefilling.rotate(-1)
+        return [sequence]
 
     def start_running(self, sequence: Sequence) -> None:
         self.prefilling.remove(sequence)

@@ -10,7 +10,7 @@ own nor an allowed origin is refused (403: another web page driving it). Only al
 CORS headers and preflight answers. POST bodies must be `application/json` (415 otherwise, so no
 HTML form can send one), are counted as they arrive (413 past `MAX_BODY_BYTES`) and parsed within
 the bounds of `kvlab.serve.protocol`. Each admitted request holds its prompt + max_tokens against
-`max_tokens_in_system` until it ends (429 past it).
+`max_tokens_in_system` until it ends, waiting in line for them (`kvlab.serve.budget`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import threading
 import time
@@ -35,38 +34,26 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvlab.errors import ConfigError
 from kvlab.lossless.config import LosslessConfig
 from kvlab.serve.access import AccessGuard
-from kvlab.serve.choices import ChoiceReply, kvlab_figures, total_usage
+from kvlab.serve.answers import DISCONNECT_POLL_S, APIError, complete, ending_cleanly, stream
+from kvlab.serve.body import MAX_BODY_BYTES, BodyError, is_json_media_type, parse_body
+from kvlab.serve.budget import TokenBudget
+from kvlab.serve.choices import ChoiceReply
 from kvlab.serve.config import ServeConfig
 from kvlab.serve.engine import EngineClosedError, ServeEngine, ServerBusyError
 from kvlab.serve.metrics import CONTENT_TYPE
-from kvlab.serve.options import ResolvedBody, TokenBudget, detokenize, resolve, tokenize
+from kvlab.serve.options import ResolvedBody, detokenize, resolve, tokenize
 from kvlab.serve.page import PAGE
 from kvlab.serve.protocol import (
-    MAX_BODY_BYTES,
-    BodyError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    is_json_media_type,
-    parse_body,
 )
-from kvlab.serve.replies import Reply, TokenStrings, error_body
-from kvlab.serve.request import Event, FailedEvent, FinishedEvent, ServeRequest, TokensEvent
+from kvlab.serve.replies import Reply, TokenStrings, error_body, internal_error_body
+from kvlab.serve.request import Event, FailedEvent, FinishedEvent, ServeRequest
 from kvlab.timing import timestamp_s
 
 logger = logging.getLogger(__name__)
-
-# How often a non-streamed request checks that its client is still there.
-DISCONNECT_POLL_S = 0.25
-
-
-class APIError(Exception):
-    """An error the client caused or must handle, answered as an OpenAI error object."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code = status, message, kind, code
 
 
 def create_app(
@@ -89,13 +76,7 @@ def create_app(
     app = FastAPI(title="kvlab", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.add_middleware(AccessGuard, config=config)
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error_body(error.message, error.kind, code=error.code), status_code=error.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(error.detail), "invalid_request_error"), status_code=error.status_code)
+    _add_error_handlers(app)
 
     @app.get("/", response_class=HTMLResponse)
     async def page() -> HTMLResponse:
@@ -132,6 +113,25 @@ def create_app(
         return await completion(request, chat=True)
 
     return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error is an OpenAI error object: what the client caused, HTTP errors, and the unexpected."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error_body(error.message, error.kind, code=error.code), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(error.detail), "invalid_request_error"), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception) -> JSONResponse:
+        # Starlette's outermost middleware answers with this (so every route and AccessGuard are inside
+        # it), then re-raises for the server to log the traceback once: uvicorn's "Exception in ASGI
+        # application". A stream that fails once started ends in `ending_cleanly` instead.
+        return JSONResponse(internal_error_body(error), status_code=500)
 
 
 def _add_token_routes(app: FastAPI, engine: ServeEngine, config: ServeConfig, strings: TokenStrings) -> None:
@@ -176,7 +176,7 @@ class CompletionRoute:
 
     def __init__(self, engine: ServeEngine, config: ServeConfig, default_lossless: LosslessConfig) -> None:
         self.engine, self.config, self.default_lossless = engine, config, default_lossless
-        self.budget = TokenBudget(config.max_tokens_in_system, engine.metrics.tokens_in_system)
+        self.budget = TokenBudget.for_server(config, engine.metrics)
         self.strings = TokenStrings(engine.loaded.decode)
 
     async def __call__(self, request: Request, chat: bool) -> Response:
@@ -185,24 +185,26 @@ class CompletionRoute:
         body = await self._body(request, ChatCompletionRequest if chat else CompletionRequest)
         try:
             resolved = await run_in_threadpool(resolve, body, self.engine.loaded, self.config, self.default_lossless)
+            tokens = self.budget.hold(resolved.num_tokens)  # 400 past one request's share
         except ConfigError as error:
             raise APIError(400, str(error)) from None
-        try:
-            release = self.budget.take(resolved.num_tokens)
-        except ServerBusyError as error:
+        except ServerBusyError as error:  # the tokens do not fit and the line for them is full
             self.engine.metrics.failed("tokens_full")
             raise APIError(429, str(error), "rate_limit_error", code="tokens_full") from None
-        events, cancel = self._submit(resolved, release, arrival_s)
+        if not await tokens.wait(request.is_disconnected, DISCONNECT_POLL_S):
+            self.engine.metrics.failed("cancelled")
+            return Response(status_code=499)
+        events, cancel = self._submit(resolved, tokens.release, arrival_s)
         reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.engine.loaded.name, chat)
         choices = [ChoiceReply(index, reply, resolved, self.engine.loaded, self.strings)
                    for index in range(len(resolved.requests))]
         if body.stream:
             usage_flags = (body.include_usage, body.continuous_usage)
             return StreamingResponse(
-                _stream(cancel, events, reply, choices, usage_flags), media_type="text/event-stream",
+                ending_cleanly(stream(cancel, events, reply, choices, usage_flags)), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await _complete(cancel, events, reply, choices, request)
+        return await complete(cancel, events, reply, choices, request)
 
     async def _body(self, request: Request, model: type[CompletionRequest | ChatCompletionRequest]) -> Any:
         raw = await _json_body(request)
@@ -297,90 +299,3 @@ def _parse(raw: bytes, model: type[BaseModel]) -> Any:
         if first["type"] == "extra_forbidden":
             message = "unknown field"
         raise APIError(400, f"{where}: {message}") from None
-
-
-def _failure(event: FailedEvent) -> APIError:
-    """A failed request's error: 400 when it asked for what cannot be done, 503 when the shutdown cut it,
-    500 when it failed (logged by the engine)."""
-    if event.kind == "invalid":
-        return APIError(400, event.message)
-    if event.kind == "shutdown":
-        return APIError(503, event.message, "server_error", code="shutting_down")
-    return APIError(500, event.message, "server_error")
-
-
-async def _complete(
-    cancel: Callable[[], None], events: asyncio.Queue[tuple[int, Event]], reply: Reply, choices: list[ChoiceReply],
-    request: Request,
-) -> Response:
-    """Wait for every choice; a client that goes away cancels the request, a failed choice fails it."""
-    finished: dict[int, FinishedEvent] = {}
-    try:
-        while len(finished) < len(choices):
-            try:
-                index, event = await asyncio.wait_for(events.get(), timeout=DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    cancel()
-                    return Response(status_code=499)
-                continue
-            if isinstance(event, FailedEvent):
-                cancel()
-                raise _failure(event)
-            if isinstance(event, FinishedEvent):
-                finished[index] = event
-    except asyncio.CancelledError:
-        cancel()
-        raise
-    ordered = [finished[index] for index in range(len(choices))]
-    generate = choices[0].generate
-    body = reply.body([choice.whole(event) for choice, event in zip(choices, ordered, strict=True)],
-                      total_usage(ordered, generate))
-    body["kvlab"] = kvlab_figures([event.stats for event in ordered])
-    return JSONResponse(body)
-
-
-async def _stream(
-    cancel: Callable[[], None], events: asyncio.Queue[tuple[int, Event]], reply: Reply, choices: list[ChoiceReply],
-    usage_flags: tuple[bool, bool],
-) -> AsyncIterator[str]:
-    """Server-sent events, one choice per chunk; the generator is closed when the client disconnects,
-    which cancels the request. `usage_flags`: (a usage chunk at the end, usage in every chunk)."""
-    include_usage, continuous_usage = usage_flags
-    finished: dict[int, FinishedEvent] = {}
-    try:
-        while len(finished) < len(choices):
-            index, event = await events.get()
-            choice = choices[index]
-            if isinstance(event, FailedEvent):
-                error = _failure(event)
-                yield _sse(error_body(error.message, error.kind, code=error.code))
-                break
-            if isinstance(event, TokensEvent):
-                fields = choice.on_tokens(event)
-                extra = None
-            else:
-                assert isinstance(event, FinishedEvent)
-                finished[index] = event
-                fields, extra = choice.on_finished(event), event.stats.to_dict()
-            if fields is None:
-                continue
-            chunk = reply.chunk([fields])
-            chunk["kvlab"] = extra or {"completion_tokens": choice.num_tokens}  # a page counts tokens, not chunks
-            if include_usage or continuous_usage:
-                chunk["usage"] = choice.usage_so_far() if continuous_usage else None
-            yield _sse(chunk)
-        else:
-            if include_usage:
-                ordered = [finished[index] for index in range(len(choices))]
-                usage_chunk = reply.chunk([])
-                usage_chunk["usage"] = total_usage(ordered, choices[0].generate)
-                yield _sse(usage_chunk)
-        yield "data: [DONE]\n\n"
-    finally:
-        if len(finished) < len(choices):
-            cancel()
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import urllib.parse
-from typing import Literal
+from typing import Literal, get_args
 
 from kvlab.errors import ConfigError
 
@@ -14,6 +14,7 @@ MODES: tuple[Mode, ...] = ("plain", "lossy", "lossless")
 # kvlab.models.DTYPES and DraftWeights, spelled out so that `kvlab serve --help` loads no torch.
 Dtype = Literal["float32", "bfloat16", "float16"]
 DraftWeightsName = Literal["same", "bf16", "int8"]
+DRAFT_WEIGHTS_NAMES: tuple[DraftWeightsName, ...] = get_args(DraftWeightsName)
 MetricsPrefix = Literal["kvlab", "vllm"]
 # The names a browser on this machine uses for a server bound to loopback.
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
@@ -72,7 +73,10 @@ class ServeConfig:
     )
     max_num_seqs: int = dataclasses.field(default=8, metadata=_help("requests decoded at once (the running batch)"))
     max_queued_requests: int = dataclasses.field(
-        default=64, metadata=_help("requests waiting for a slot; more are refused with 429")
+        default=64, metadata=_help(
+            "requests waiting for a slot, and apart from them requests waiting for tokens of "
+            "max_tokens_in_system; more are refused with 429"
+        )
     )
     max_prompt_tokens: int | None = dataclasses.field(
         default=None, metadata=_help("longest prompt accepted (default: the model's context)")
@@ -83,13 +87,21 @@ class ServeConfig:
     max_tokens_in_system: int = dataclasses.field(
         default=1 << 17, metadata=_help(
             "prompt + max_tokens summed over the requests running and queued, which bounds KV memory; "
-            "past it requests are refused with 429"
+            "past it requests wait for tokens in arrival order (429 once max_queued_requests wait)"
+        )
+    )
+    max_tokens_per_request: int | None = dataclasses.field(
+        default=None, metadata=_help(
+            "prompt + max_tokens one request may hold, all its prompts together (400 past it), so that no "
+            "request takes the whole of max_tokens_in_system (default: max_tokens_in_system / max_num_seqs)"
         )
     )
     prefill_chunk_tokens: int = dataclasses.field(
         default=512, metadata=_help("prompt tokens prefilled per forward; decoding continues between them")
     )
-    mode: Mode = dataclasses.field(default="plain", metadata=_help("default decoding mode: plain, lossy or lossless"))
+    mode: Mode = dataclasses.field(default="plain", metadata=_help(
+        "default decoding mode: plain, lossy or lossless (greedy output identical to plain in float32)"
+    ))
     drafter: str = dataclasses.field(
         default="snapkv", metadata=_help("default compressor (drafts in lossless, decodes in lossy)")
     )
@@ -101,6 +113,13 @@ class ServeConfig:
     )
     draft_weights: DraftWeightsName = dataclasses.field(
         default="same", metadata=_help("draft with the model (same) or a bf16/int8 copy")
+    )
+    # A name, not the Literal: the flag also takes a comma-separated list, checked in __post_init__.
+    allowed_draft_weights: tuple[str, ...] = dataclasses.field(
+        default=(), metadata=_help(
+            "other draft weights (same, bf16, int8; comma-separated) a lossless request may name in "
+            "kvlab.draft_weights, each copy built at start-up (default: only --draft-weights)"
+        )
     )
     prefix_store: str | None = dataclasses.field(
         default=None, metadata=_help("prefix store URL (memory://, file:///dir, redis://host:port/db)")
@@ -135,6 +154,16 @@ class ServeConfig:
             raise ConfigError(f"num_draft_tokens must be a positive integer or 'auto', got {self.num_draft_tokens!r}")
         if self.max_queued_requests < 0:
             raise ConfigError(f"max_queued_requests must be at least 0, got {self.max_queued_requests}")
+        for weights in self.allowed_draft_weights:
+            if weights not in DRAFT_WEIGHTS_NAMES:
+                raise ConfigError(
+                    f"allowed draft weights must be among {', '.join(DRAFT_WEIGHTS_NAMES)}, got {weights!r}"
+                )
+        share = self.max_tokens_per_request
+        if share is not None and not 1 <= share <= self.max_tokens_in_system:
+            raise ConfigError(
+                f"max_tokens_per_request must be in 1..{self.max_tokens_in_system} (max_tokens_in_system), got {share}"
+            )
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ConfigError(f"max_prompt_tokens must be at least 1, got {self.max_prompt_tokens}")
         if not 0 <= self.port < 65536:
@@ -157,6 +186,18 @@ class ServeConfig:
                     f"allowed origin {origin!r} must be scheme://host[:port] (e.g. https://example.org), or *"
                 )
 
+    @property
+    def tokens_per_request(self) -> int:
+        """The tokens one request may hold: `max_tokens_per_request`, or an even share of
+        `max_tokens_in_system` among `max_num_seqs` requests when it is unset."""
+        if self.max_tokens_per_request is not None:
+            return self.max_tokens_per_request
+        return max(1, self.max_tokens_in_system // self.max_num_seqs)
+
+    @property
+    def draft_weights_choices(self) -> tuple[str, ...]:
+        """The draft weights a request may name: `draft_weights` (the default) and `allowed_draft_weights`."""
+        return tuple(dict.fromkeys((self.draft_weights, *self.allowed_draft_weights)))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from kvlab.engine import Engine, EngineCallbacks, EngineConfig
 from kvlab.errors import ConfigError, KvlabError
+from kvlab.generation.outputs import RequestOutput
 from kvlab.lossless.config import LosslessConfig
 from kvlab.models import LoadedModel
 from kvlab.serve.config import ServeConfig
@@ -32,6 +33,12 @@ from kvlab.serve.request import FailedEvent, FinishedEvent, ServeRequest, Tokens
 from kvlab.timing import timestamp_s
 
 logger = logging.getLogger(__name__)
+
+# Seconds pending prefix writes may take at shutdown beyond what is left of its timeout; a store slower
+# than that loses them (they only save a later request its recomputation).
+CLOSE_GRACE_S = 3.0
+# How an engine request may stop and still be a normal finish; any other stop reason is a failure.
+FINISH_REASONS = ("eos", "stop_string", "length")
 
 
 class ServerBusyError(KvlabError):
@@ -109,7 +116,7 @@ class ServeEngine:
                 )
             self._num_in_system += 1
             self._incoming.append(request)
-            self.metrics.waiting.inc()
+            self.metrics.one_more_waiting()
             self._cond.notify()
 
     def cancel(self, request: ServeRequest) -> None:
@@ -119,8 +126,10 @@ class ServeEngine:
             self._cond.notify()
 
     def shutdown(self, timeout_s: float = 0.0) -> None:
-        """Take no new requests, let running and queued ones finish for up to `timeout_s`, cancel the
-        rest, then finish pending prefix writes."""
+        """Take no new requests, let running and queued ones finish for up to `timeout_s`, end the rest
+        with a `FailedEvent` (once the engine thread has finished its current tick), then finish
+        pending prefix writes within what is left of `timeout_s` plus `CLOSE_GRACE_S` (past it they
+        are dropped, with a warning)."""
         with self._cond:
             self._closing = True
             self._cond.notify()
@@ -131,9 +140,23 @@ class ServeEngine:
             self._stopped = True
             self._cond.notify()
         self._thread.join()
-        self.engine.close()
-        if self.prefixes is not None:
-            self.prefixes.close()
+        self._close_background(max(0.0, deadline - time.monotonic()) + CLOSE_GRACE_S)
+
+    def _close_background(self, timeout_s: float) -> None:
+        """Stop the fetch workers and finish pending prefix writes, waiting `timeout_s` at most: the
+        writes run on a daemon thread, which a process that exits abandons."""
+
+        def close() -> None:
+            self.engine.close()
+            if self.prefixes is not None:
+                self.prefixes.close()
+
+        closer = threading.Thread(target=close, name="kvlab-serve-close", daemon=True)
+        closer.start()
+        closer.join(timeout_s)
+        if closer.is_alive():
+            logger.warning("pending prefix writes did not finish within %.1f s of the shutdown; they are dropped",
+                           timeout_s)
 
     @property
     def closing(self) -> bool:
@@ -192,7 +215,7 @@ class ServeEngine:
             return
         except Exception as error:  # one request's failure is that request's alone
             logger.exception("admitting a request failed")
-            self._leave(request, "error", FailedEvent(f"admission failed: {type(error).__name__}: {error}"))
+            self._leave(request, "error", FailedEvent(f"{type(error).__name__}: {error}"))
             return
         request.engine_id = request_id
         self._requests[request_id] = request
@@ -206,7 +229,8 @@ class ServeEngine:
                 self._leave(request, "cancelled")
 
     def _deliver(self, finished_ids: list[int]) -> None:
-        """Send each stopped request its last event and forget it."""
+        """Send each stopped request its last event and forget it: a failed one its `FailedEvent`,
+        never a finish (whatever its stop reason says)."""
         for request_id in finished_ids:
             request = self._requests.pop(request_id, None)
             error = self.engine.error(request_id)
@@ -215,12 +239,9 @@ class ServeEngine:
             self.engine.release(request_id)
             if request is None:
                 continue
-            if isinstance(error, ConfigError):
-                self._leave(request, "invalid", FailedEvent(str(error), "invalid"))
-                continue
-            if error is not None:
-                logger.error("a request failed: %s: %s", type(error).__name__, error, exc_info=error)
-                self._leave(request, "error", FailedEvent(f"the request failed: {type(error).__name__}: {error}"))
+            failure = _failed_event(request_id, error, output)
+            if failure is not None:
+                self._leave(request, failure.kind, failure)
                 continue
             request.rounds = request_rounds
             stats = request.finish_stats(len(output.token_ids))
@@ -230,7 +251,7 @@ class ServeEngine:
                 self.metrics.num_drafts.inc(request.rounds.num_drafting_rounds)
                 self.metrics.num_draft_tokens.inc(request.rounds.num_draft_tokens)
                 self.metrics.num_accepted_tokens.inc(request.rounds.num_accepted_tokens)
-            self.metrics.finished("stop" if output.stop_reason in ("eos", "stop_string") else output.stop_reason)
+            self.metrics.finished("length" if output.stop_reason == "length" else "stop")
             self._leave(request, None, FinishedEvent(output, stats, request.last_token_ids))
 
     def _leave(
@@ -324,5 +345,21 @@ class ServeEngine:
         with self._cond:
             incoming = len(self._incoming)
         self.metrics.running.set(self.engine.num_running())
-        self.metrics.waiting.set(incoming + self.engine.num_unfinished() - self.engine.num_running())
+        self.metrics.set_waiting(engine=incoming + self.engine.num_unfinished() - self.engine.num_running())
         self.metrics.fetching.set(self.engine.num_fetching())
+
+
+def _failed_event(request_id: int, error: BaseException | None, output: RequestOutput) -> FailedEvent | None:
+    """The event of a request that stopped without finishing (None when it finished): "invalid" for a
+    setting the engine could not honour, else "error" (logged here, with the traceback when there is one)."""
+    if isinstance(error, ConfigError):  # a setting the engine cannot honour: the client's to change
+        return FailedEvent(str(error), "invalid")
+    if error is None and output.stop_reason in FINISH_REASONS:
+        return None
+    if error is not None:
+        detail = f"{type(error).__name__}: {error}"
+        logger.error("engine request %d failed: %s", request_id, detail, exc_info=error)
+    else:  # the engine's own account (`RequestOutput.error`, "Type: message"), or its stop reason alone
+        detail = output.error or f"it stopped as {output.stop_reason!r}"
+        logger.error("engine request %d failed: %s", request_id, detail)
+    return FailedEvent(str(detail))

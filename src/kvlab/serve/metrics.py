@@ -6,6 +6,8 @@ One registry per server, so several servers (tests) in one process never share c
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -44,7 +46,13 @@ class ServeMetrics:
             return Histogram(named(name), text, ["model_name"], buckets=buckets, registry=registry).labels(**model)
 
         self.running = gauge("kvlab:num_requests_running", "Requests prefilling or decoding.")
-        self.waiting = gauge("kvlab:num_requests_waiting", "Requests queued for a slot (prefix fetches included).")
+        # Set through `set_waiting`: the requests waiting in the engine and those waiting for tokens.
+        self.waiting = gauge(
+            "kvlab:num_requests_waiting",
+            "Requests queued for a slot (prefix fetches included) or for tokens of max_tokens_in_system.",
+        )
+        self._waiting_lock = threading.Lock()
+        self._num_waiting = {"engine": 0, "tokens": 0}
         self.tokens_in_system = gauge(
             "kvlab:num_tokens_in_system", "Prompt + max_tokens of the requests running and queued."
         )
@@ -73,6 +81,21 @@ class ServeMetrics:
             named("kvlab:request_failure"), "Requests refused, cancelled or failed.", ["model_name", "reason"],
             registry=registry,
         )
+
+    def set_waiting(self, *, engine: int | None = None, tokens: int | None = None) -> None:
+        """Requests waiting in the engine for a slot (`engine`, prefix fetches included) or before it for
+        tokens (`tokens`); `num_requests_waiting` is their sum. Thread-safe."""
+        with self._waiting_lock:
+            for part, value in (("engine", engine), ("tokens", tokens)):
+                if value is not None:
+                    self._num_waiting[part] = value
+            self.waiting.set(sum(self._num_waiting.values()))
+
+    def one_more_waiting(self) -> None:
+        """A request joined the engine's queue (the engine's thread sets the exact count at its next tick)."""
+        with self._waiting_lock:
+            self._num_waiting["engine"] += 1
+            self.waiting.set(sum(self._num_waiting.values()))
 
     def finished(self, reason: str) -> None:
         self._success.labels(model_name=self.model_name, finished_reason=reason).inc()

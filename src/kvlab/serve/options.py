@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
-
-from prometheus_client import Gauge
 
 from kvlab.compress import compressors
 from kvlab.engine import Request
@@ -17,8 +14,8 @@ from kvlab.generation.config import GenerationConfig
 from kvlab.lossless.config import LosslessConfig
 from kvlab.lossless.prompt_lookup import NGRAM_PREFIX, split_drafter_name
 from kvlab.models import LoadedModel
+from kvlab.models.draft_weights import DraftWeights, draft_model
 from kvlab.serve.config import Mode, ServeConfig
-from kvlab.serve.engine import ServerBusyError
 from kvlab.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 # Prompt text is refused past this many characters per token of the prompt limit, before tokenizing
@@ -88,6 +85,8 @@ def _engine_request(
     mode: Mode = options.mode or serve.mode
     if mode == "plain" and (options.drafter is not None or options.drafter_args or options.draft_length is not None):
         raise ConfigError("kvlab.drafter, kvlab.drafter_args and kvlab.draft_length need mode 'lossy' or 'lossless'")
+    if mode != "lossless" and options.draft_weights is not None:
+        raise ConfigError("kvlab.draft_weights needs mode 'lossless' (only drafting uses other weights)")
     if mode == "lossy" and options.draft_length is not None:
         raise ConfigError("kvlab.draft_length needs mode 'lossless'")
     compressor, lookup = None, None
@@ -106,8 +105,34 @@ def _engine_request(
     assert compressor is not None
     draft_length = default_lossless.num_draft_tokens if options.draft_length is None else options.draft_length
     lossless = dataclasses.replace(default_lossless, drafter=compressor, num_draft_tokens=draft_length,
-                                   prompt_lookup=lookup)
+                                   prompt_lookup=lookup, draft_weights=_draft_weights(body, serve, default_lossless))
     return Request(prompt, config, lossless=lossless, cache_salt=options.cache_salt)
+
+
+def _draft_weights(body: Body, serve: ServeConfig, default_lossless: LosslessConfig) -> DraftWeights:
+    """The weights a lossless request drafts with: its own choice among those the server built at start-up
+    (`build_draft_weights`), else the server's."""
+    asked = body.kvlab.draft_weights
+    if asked is None:
+        return default_lossless.draft_weights
+    if asked not in serve.draft_weights_choices:
+        raise ConfigError(
+            f"kvlab.draft_weights={asked!r} is not allowed on this server, which drafts with "
+            f"{', '.join(serve.draft_weights_choices)} (--draft-weights, --allowed-draft-weights)"
+        )
+    return asked
+
+
+def build_draft_weights(loaded: LoadedModel, serve: ServeConfig) -> None:
+    """Make the draft-weight copies requests may name (`ServeConfig.draft_weights_choices`) now, at
+    start-up, rather than on the path of the first request that names them (an int8 copy takes seconds
+    and memory). `draft_model` keeps one copy per loaded model, which the engine then finds.
+
+    Raises:
+        ConfigError: The device or the torch build cannot run weights of one of those kinds.
+    """
+    for weights in serve.draft_weights_choices:
+        draft_model(loaded.model, weights)  # type: ignore[arg-type]
 
 
 def generation_config(body: Body, num_prompt: int, context: int, serve: ServeConfig) -> GenerationConfig:
@@ -118,8 +143,10 @@ def generation_config(body: Body, num_prompt: int, context: int, serve: ServeCon
     else:
         logprobs = body.logprobs
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    max_new_tokens = _max_tokens(body, num_prompt, context, serve)
+    _check_min_tokens(body, max_new_tokens)
     return GenerationConfig(
-        max_new_tokens=_max_tokens(body, num_prompt, context, serve),
+        max_new_tokens=max_new_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
         # OpenAI's API samples differently every time unless a seed is given.
@@ -189,10 +216,15 @@ def check_token_ids(token_ids: Sequence[int], loaded: LoadedModel, what: str) ->
         raise ConfigError(f"{what} must be in 0..{vocab - 1}")
 
 
-def _max_tokens(body: Body, num_prompt: int, context: int, serve: ServeConfig) -> int:
-    asked = body.max_tokens
+def _asked_max_tokens(body: Body) -> tuple[str, int | None]:
+    """The field that limits the tokens generated, and its value (None: not given)."""
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
-        asked = body.max_completion_tokens
+        return "max_completion_tokens", body.max_completion_tokens
+    return "max_tokens", body.max_tokens
+
+
+def _max_tokens(body: Body, num_prompt: int, context: int, serve: ServeConfig) -> int:
+    _, asked = _asked_max_tokens(body)
     if asked == 0:  # echo without generating: the engine's one token comes from the prefill's logits
         return 1
     room = context - num_prompt
@@ -212,9 +244,44 @@ def _max_tokens(body: Body, num_prompt: int, context: int, serve: ServeConfig) -
     return asked
 
 
+def _check_min_tokens(body: Body, max_new_tokens: int) -> None:
+    """Refuse a `min_tokens` the request cannot generate, as vLLM does, rather than cap it.
+
+    Raises:
+        ConfigError: `min_tokens` passes the given `max_tokens` (`max_completion_tokens`), or what the
+            request may generate without it (16 for a completion, else up to the server's limit within
+            the context left).
+    """
+    if body.min_tokens == 0:
+        return
+    field, asked = _asked_max_tokens(body)
+    if asked is not None and body.min_tokens > asked:
+        raise ConfigError(f"min_tokens={body.min_tokens} is more than {field}={asked}: ask for at most {asked}")
+    if asked is None and body.min_tokens > max_new_tokens:
+        raise ConfigError(
+            f"min_tokens={body.min_tokens} is more than the {max_new_tokens} tokens this request may generate "
+            f"without {field}: give {field} >= min_tokens, or ask for at most {max_new_tokens}"
+        )
+
+
 def tokenize(body: TokenizeRequest, loaded: LoadedModel, limit: int) -> list[int]:
     """`/tokenize`: a prompt as is (special tokens added unless told not to), or messages through the chat
-    template (no special tokens beyond the template's unless told), within the server's prompt limit."""
+    template (no special tokens beyond the template's unless told), within the server's prompt limit.
+
+    Raises:
+        ConfigError: The text passes `limit` x `MAX_CHARS_PER_TOKEN` characters (checked first), or
+            `limit` tokens; or messages were given for a model without a chat template.
+    """
+    tokens = _tokenize(body, loaded, limit)
+    if len(tokens) > limit:
+        raise ConfigError(
+            f"the text has {len(tokens)} tokens; this server accepts at most {limit} (max_prompt_tokens, "
+            "within the model's context)"
+        )
+    return tokens
+
+
+def _tokenize(body: TokenizeRequest, loaded: LoadedModel, limit: int) -> list[int]:
     if body.messages is not None:
         if not loaded.has_chat_template:
             raise ConfigError(f"model {loaded.name} has no chat template: tokenize a prompt instead")
@@ -244,35 +311,3 @@ def detokenize(body: DetokenizeRequest, loaded: LoadedModel) -> str:
     check_token_ids(body.tokens, loaded, "token ids")
     return loaded.decode(body.tokens, False)
 
-
-class TokenBudget:
-    """Prompt + max_tokens of the requests in the system, at most `limit` (thread-safe: the engine's thread
-    ends requests)."""
-
-    def __init__(self, limit: int, gauge: Gauge) -> None:
-        self.limit, self.gauge = limit, gauge
-        self.num_tokens = 0
-        self._lock = threading.Lock()
-
-    def take(self, num_tokens: int) -> Callable[[], None]:
-        """Hold `num_tokens`; returns what gives them back (once, however often it is called).
-
-        Raises:
-            ServerBusyError: Holding them would pass the limit.
-        """
-        with self._lock:
-            if self.num_tokens + num_tokens > self.limit:
-                raise ServerBusyError(
-                    f"the server holds {self.num_tokens} of its {self.limit} tokens (max_tokens_in_system) and this "
-                    f"request needs {num_tokens} (prompt + max_tokens); retry later or ask for fewer max_tokens"
-                )
-            self.num_tokens += num_tokens
-            self.gauge.set(self.num_tokens)
-        held = [num_tokens]
-
-        def release() -> None:
-            with self._lock:
-                self.num_tokens -= held.pop() if held else 0
-                self.gauge.set(self.num_tokens)
-
-        return release

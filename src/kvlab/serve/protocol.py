@@ -5,149 +5,46 @@ the openai client). Fields of the OpenAI API that kvlab does not implement are a
 neutral value (e.g. `n=1`, `presence_penalty=0`), so no request is silently served differently from
 what it asked for.
 
-A body is parsed within fixed bounds before pydantic sees it (`parse_body`): UTF-8 JSON of at most
-`MAX_BODY_BYTES`, an object nested at most `MAX_JSON_DEPTH` deep with at most `MAX_JSON_VALUES`
-values, integers of at most `MAX_INT_DIGITS` digits and finite numbers only; the strings and lists
-pydantic then builds are bounded too.
+A body is first parsed within fixed bounds (`kvlab.serve.body.parse_body`); the strings and lists
+pydantic then builds here are bounded too. Every field is strictly typed: a boolean is not a number, a
+number is not a boolean nor a string, and names are never empty.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from kvlab.generation.logprobs import MAX_TOP_LOGPROBS
-from kvlab.serve.config import Mode
+from kvlab.serve.body import MAX_QUOTED_CHARS
+from kvlab.serve.config import DraftWeightsName, Mode
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_STOP_CHARS = 1024
 MAX_SALT_CHARS = 256
-MAX_BODY_BYTES = 16 << 20
-# The deepest valid body nests 5 levels (body > messages > message > content > part).
-MAX_JSON_DEPTH = 32
-# Every 64-bit integer fits (2**64 has 20 digits); longer ones cost quadratic time to convert.
-MAX_INT_DIGITS = 20
-# Array elements and object members in all (a prompt of token ids is one value per token).
-MAX_JSON_VALUES = 1 << 20
 MAX_CHAT_MESSAGES = 2048
+# Text parts of one chat message, and of all its messages together: each part is a model pydantic
+# builds (about 4 us), so a body of empty parts would otherwise cost seconds of CPU.
+MAX_MESSAGE_PARTS = 256
+MAX_CHAT_PARTS = 4096
 MAX_PROMPTS = 64
 MAX_STOP_TOKEN_IDS = 64
 MAX_DRAFTER_ARGS = 16
 MAX_OPTION_CHARS = 64
-JSON_MEDIA_TYPE = "application/json"
+# Every model refuses unknown fields and converts nothing (no "1" for 1, no 1 for true, no 2.0 for 2);
+# a float field still takes an integer (`"temperature": 1`), as JSON does not tell them apart.
+STRICT = ConfigDict(extra="forbid", strict=True)
 
 
-class BodyError(ValueError):
-    """A request body outside the parser's bounds, or not a JSON object (HTTP 400)."""
-
-
-class _Refused:
-    """What the parser's hooks put in place of a number it refuses; `parse_body` then says where."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-class _NumberHooks:
-    """`json.loads` hooks that stand refused numbers in for `_Refused` markers, and count them."""
-
-    def __init__(self) -> None:
-        self.num_refused = 0
-
-    def integer(self, text: str) -> int | _Refused:
-        digits = len(text.lstrip("-"))
-        return int(text) if digits <= MAX_INT_DIGITS else self._refuse(
-            f"integers are limited to {MAX_INT_DIGITS} digits, got one of {digits}")
-
-    def real(self, text: str) -> float | _Refused:
-        value = float(text)
-        return value if math.isfinite(value) else self._refuse(f"{text[:32]} is out of the range of a double")
-
-    def constant(self, text: str) -> _Refused:
-        return self._refuse(f"{text} is not a JSON number")
-
-    def _refuse(self, reason: str) -> _Refused:
-        self.num_refused += 1
-        return _Refused(reason)
-
-
-# A JSON string with its escapes (the unrolled form: linear, at C speed, on a long prompt).
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_NOT_BRACKETS = bytes(byte for byte in range(256) if byte not in b"[]{}")
-_ONE_BRACKET = bytes.maketrans(b"{}", b"[]")
-
-
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """The JSON object of a request body, within the bounds above.
-
-    Its depth and size are measured on its brackets and commas before anything is built; numbers are
-    checked as they are parsed, and the first one refused is reported with where it is.
-
-    Raises:
-        BodyError: Not UTF-8 JSON, not an object, nested deeper than `MAX_JSON_DEPTH`, holding more
-            than `MAX_JSON_VALUES` values, or a number the bounds refuse (`kvlab.drafter_args.seed: ...`).
-    """
-    _check_structure(raw)
-    hooks = _NumberHooks()
-    try:
-        data = json.loads(raw, parse_int=hooks.integer, parse_float=hooks.real, parse_constant=hooks.constant)
-    except RecursionError:  # unbalanced brackets the structure check let through; the C scanner's guard
-        raise BodyError(f"the body nests deeper than {MAX_JSON_DEPTH} levels") from None
-    except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
-        raise BodyError(f"the body is not valid JSON: {error}") from None
-    if not isinstance(data, dict):
-        raise BodyError("the body must be a JSON object")
-    if hooks.num_refused:
-        _report_refused(data)
-    return data
-
-
-def _check_structure(raw: bytes) -> None:
-    """Values (commas outside strings) and depth (brackets outside strings) of `raw`, before parsing."""
-    structure = _JSON_STRING.sub(b"", raw)
-    if structure.count(b",") >= MAX_JSON_VALUES:
-        raise BodyError(f"the body holds more than {MAX_JSON_VALUES} JSON values")
-    brackets = structure.translate(_ONE_BRACKET, _NOT_BRACKETS)
-    # Each pass takes away the innermost pairs, one level (replace does not rescan what it made);
-    # unbalanced brackets are left for the parser to report.
-    for _ in range(MAX_JSON_DEPTH):
-        if b"[]" not in brackets:
-            return
-        brackets = brackets.replace(b"[]", b"")
-    if b"[]" in brackets:
-        raise BodyError(f"the body nests deeper than {MAX_JSON_DEPTH} levels")
-
-
-def _report_refused(data: dict[str, Any]) -> None:
-    """Raise for the first refused number, naming its path (walked without recursion)."""
-    stack: list[tuple[dict[str, Any] | list[Any], tuple[str, ...]]] = [(data, ())]
-    while stack:
-        container, path = stack.pop()
-        items = container.items() if isinstance(container, dict) else enumerate(container)
-        for key, value in items:
-            if isinstance(value, (dict, list)):
-                stack.append((value, (*path, str(key))))
-            elif isinstance(value, _Refused):
-                raise BodyError(f"{'.'.join((*path, str(key)))}: {value.reason}")
-    raise AssertionError("a number was refused but is not in the body")
-
-
-def is_json_media_type(content_type: str | None) -> bool:
-    """Whether a Content-Type header is `application/json`, alone or with `charset=utf-8`."""
-    if content_type is None:
-        return False
-    media_type, *parameters = (part.strip().lower() for part in content_type.split(";"))
-    if media_type != JSON_MEDIA_TYPE:
-        return False
-    return all(parameter.replace(" ", "") in ("charset=utf-8", 'charset="utf-8"') for parameter in parameters)
+def _quoted(value: Any) -> str:
+    """`value` as an error message may quote it (strings cut short)."""
+    text = repr(value)
+    return text if len(text) <= MAX_QUOTED_CHARS else text[:MAX_QUOTED_CHARS] + "..."
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -157,32 +54,43 @@ class KvlabOptions(BaseModel):
 
     Attributes:
         mode: plain (full cache), lossy (decode from the drafter's compressed cache) or lossless
-            (draft from it, verify with the full cache: the plain output, token for token when greedy).
+            (draft from it, verify with the full cache: the plain output, token for token when greedy in float32).
         drafter: Compressor name (see `kvlab ls`); `drafter_args` its parameters.
         draft_length: Tokens drafted per round, or "auto" (`num_draft_tokens` in kvlab's code).
         cache_salt: Prefix-store namespace: only requests with the same salt share stored prefixes.
         ignore_eos: Keep generating past end-of-sequence tokens (as the top-level `ignore_eos`).
+        draft_weights: The weights that draft in lossless mode: the model's own (same) or its bf16 or
+            int8 copy, among those the server was started with (`--allowed-draft-weights`).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     mode: Mode | None = None
-    drafter: str | None = Field(default=None, max_length=64)
+    drafter: str | None = Field(default=None, min_length=1, max_length=MAX_OPTION_CHARS)
     drafter_args: dict[str, int | float | bool | str] | None = None
     draft_length: int | Literal["auto"] | None = None
+    draft_weights: DraftWeightsName | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
     ignore_eos: bool = False
 
-    @model_validator(mode="after")
-    def _check(self) -> KvlabOptions:
-        if isinstance(self.draft_length, int) and not isinstance(self.draft_length, bool) and self.draft_length < 1:
-            raise ValueError(f"kvlab.draft_length must be a positive integer or 'auto', got {self.draft_length}")
-        args = self.drafter_args or {}
-        if len(args) > MAX_DRAFTER_ARGS:
-            raise ValueError(f"kvlab.drafter_args takes at most {MAX_DRAFTER_ARGS} parameters")
-        for key, value in args.items():
+    @field_validator("draft_length", mode="before")
+    @classmethod
+    def _draft_length(cls, value: Any) -> Any:
+        # One message for every wrong value, rather than one per member of the union.
+        if value is None or value == "auto" or (type(value) is int and value >= 1):
+            return value
+        raise ValueError(f"must be a positive integer or 'auto', got {_quoted(value)}")
+
+    @field_validator("drafter_args")
+    @classmethod
+    def _drafter_args(cls, args: dict[str, int | float | bool | str] | None) -> Any:
+        if len(args or {}) > MAX_DRAFTER_ARGS:
+            raise ValueError(f"takes at most {MAX_DRAFTER_ARGS} parameters")
+        for key, value in (args or {}).items():
+            if not key:
+                raise ValueError("a parameter name is empty")
             if len(key) > MAX_OPTION_CHARS or (isinstance(value, str) and len(value) > MAX_OPTION_CHARS):
-                raise ValueError(f"kvlab.drafter_args names and texts are limited to {MAX_OPTION_CHARS} characters")
-        return self
+                raise ValueError(f"names and texts are limited to {MAX_OPTION_CHARS} characters")
+        return args
 
 
 # vLLM's sampling extensions that kvlab takes only at their neutral value: name -> (neutral values, wording).
@@ -198,8 +106,8 @@ NEUTRAL_ONLY: dict[str, tuple[tuple[float, ...], str]] = {
 class _Common(BaseModel):
     """Fields both endpoints share: OpenAI's, then vLLM's extensions (top level, as vLLM takes them)."""
 
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = Field(default=None, max_length=MAX_OPTION_CHARS * 4)
+    model_config = STRICT
+    model: str | None = Field(default=None, min_length=1, max_length=MAX_OPTION_CHARS * 4)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -311,26 +219,52 @@ def _is_token_id(value: Any) -> bool:
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
-    name: str | None = Field(default=None, max_length=MAX_OPTION_CHARS * 4)
+    name: str | None = Field(default=None, min_length=1, max_length=MAX_OPTION_CHARS * 4)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _num_parts(cls, content: Any) -> Any:
+        """At most `MAX_MESSAGE_PARTS` parts, counted before any is built."""
+        if isinstance(content, list) and len(content) > MAX_MESSAGE_PARTS:
+            raise ValueError(f"at most {MAX_MESSAGE_PARTS} text parts per message, got {len(content)}")
+        return content
 
     @property
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
+def _num_chat_parts(messages: Any) -> Any:
+    """At most `MAX_CHAT_PARTS` text parts in all the messages, counted before any is built (more than
+    `MAX_CHAT_MESSAGES` messages are refused by their own bound)."""
+    if isinstance(messages, list) and len(messages) <= MAX_CHAT_MESSAGES:
+        num_parts = sum(
+            len(message["content"]) for message in messages
+            if isinstance(message, dict) and isinstance(message.get("content"), list)
+        )
+        if num_parts > MAX_CHAT_PARTS:
+            raise ValueError(f"at most {MAX_CHAT_PARTS} text parts in all the messages, got {num_parts}")
+    return messages
+
+
+ChatMessages = Annotated[
+    list[ChatMessage], BeforeValidator(_num_chat_parts), Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
+]
+
+
 class ChatCompletionRequest(_Common):
     """`POST /v1/chat/completions`: the messages go through the model's chat template."""
 
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
+    messages: ChatMessages
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -347,10 +281,10 @@ class ChatCompletionRequest(_Common):
 class TokenizeRequest(BaseModel):
     """`POST /tokenize`, as vLLM's server takes it: a prompt, or chat messages through the template."""
 
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = Field(default=None, max_length=MAX_OPTION_CHARS * 4)
+    model_config = STRICT
+    model: str | None = Field(default=None, min_length=1, max_length=MAX_OPTION_CHARS * 4)
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_CHAT_MESSAGES)
+    messages: ChatMessages | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -365,6 +299,6 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     """`POST /detokenize`: token ids back to text."""
 
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = Field(default=None, max_length=MAX_OPTION_CHARS * 4)
+    model_config = STRICT
+    model: str | None = Field(default=None, min_length=1, max_length=MAX_OPTION_CHARS * 4)
     tokens: list[int]

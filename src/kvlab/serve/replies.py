@@ -30,6 +30,13 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def internal_error_body(error: BaseException) -> dict[str, Any]:
+    """The error object of a request the server failed on: its kind, never its traceback (which may show
+    paths and values: it goes to the server's log)."""
+    message = f"the server failed on this request ({type(error).__name__}); its log has the details"
+    return error_body(message, "internal_error")
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,

@@ -5,14 +5,20 @@ On SIGTERM (or SIGINT) the server drains before uvicorn stops: it keeps acceptin
 for `shutdown_timeout_s`, and those still running then end cleanly (a stream gets an error event and
 `[DONE]`, a plain request a 503 error object). Pending prefix writes are finished, and only then is
 uvicorn told to stop; the process exits 0. A second signal stops uvicorn at once.
+
+Every step after the timeout is bounded, so the process exits within `shutdown_timeout_s` plus a
+small margin: the engine thread ends its current tick (one prefill piece and one decoding step), prefix
+writes get what is left of the timeout plus `kvlab.serve.engine.CLOSE_GRACE_S` (a slower store loses
+them: they only save recomputation), and responses `FLUSH_TIMEOUT_S` to write their last bytes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
-import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -23,12 +29,28 @@ from kvlab.models import load_model
 from kvlab.serve.app import create_app
 from kvlab.serve.config import ServeConfig
 from kvlab.serve.engine import ServeEngine
+from kvlab.serve.options import build_draft_weights
 
 logger = logging.getLogger(__name__)
 
 # Seconds uvicorn waits for responses once the drain is over (they only have their last bytes to
-# write) or once the engine failed; past it, it cancels them.
-FLUSH_TIMEOUT_S = 5
+# write) or once the engine failed; past it, it cancels them (a client that stops reading).
+FLUSH_TIMEOUT_S = 2
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerStart:
+    """What `run_server` is about to serve, once its model is loaded (the CLI prints it).
+
+    Attributes:
+        model_name: The model's name (the `model` requests name).
+        url: Where it listens (the port as configured: 0 when the system picks one).
+        config: Its settings.
+    """
+
+    model_name: str
+    url: str
+    config: ServeConfig
 
 
 class Drain:
@@ -84,12 +106,21 @@ def default_lossless(config: ServeConfig) -> LosslessConfig:
     return LosslessConfig(drafter, config.num_draft_tokens, draft_weights=config.draft_weights)  # type: ignore[arg-type]
 
 
-def run_server(config: ServeConfig, verbose: bool = False) -> int:
-    """Serve until stopped; returns the exit code (0 after a graceful shutdown)."""
+def run_server(
+    config: ServeConfig, verbose: bool = False, on_start: Callable[[ServerStart], None] | None = None
+) -> int:
+    """Serve until stopped; returns the exit code (0 after a graceful shutdown).
+
+    Args:
+        config: The server's settings.
+        verbose: Uvicorn logs every request.
+        on_start: Told what is served once the model is loaded, before requests are taken.
+    """
     lossless = default_lossless(config)
     loaded = load_model(
         config.model, dtype=config.dtype, device=config.device, packed_weights=not config.unpacked_weights
     )
+    build_draft_weights(loaded, config)
     servers: list[uvicorn.Server] = []
 
     def stop_serving() -> None:  # the engine thread failed: exit non-zero rather than hang every request
@@ -111,12 +142,10 @@ def run_server(config: ServeConfig, verbose: bool = False) -> int:
         drain,
         config.shutdown_timeout_s,
     )
-    print(
-        f"kvlab serve: {loaded.name} on http://{config.host}:{config.port} (mode {config.mode}; "
-        f"{config.max_num_seqs} running, {config.max_queued_requests} queued at most)",
-        file=sys.stderr,
-        flush=True,
-    )
+    start = ServerStart(loaded.name, f"http://{config.host}:{config.port}", config)
+    logger.info("serving %s on %s (mode %s)", start.model_name, start.url, config.mode)
+    if on_start is not None:
+        on_start(start)
     # Uvicorn re-raises the signal that stopped it once it has shut down, under the handler found at
     # start: an ignoring one makes a graceful SIGTERM end in exit status 0 (Ctrl-C still exits 130).
     signal.signal(signal.SIGTERM, lambda signum, frame: None)

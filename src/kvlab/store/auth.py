@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -31,6 +32,9 @@ MIN_SECRET_BYTES = 16
 MAGIC = b"KVPA"
 TAG_BYTES = hashlib.sha256().digest_size
 _DOMAIN = b"kvlab prefix chunk v1\x00"
+# Stores already warned of as unauthenticated in this process (`warn_if_unauthenticated`).
+_WARNED_URLS: set[str] = set()
+_WARNED_LOCK = threading.Lock()
 
 
 class ChunkAuthError(CodecError):
@@ -127,9 +131,14 @@ class ChunkSealer:
 
 
 def warn_if_unauthenticated(sealer: ChunkSealer, url: str, shared: bool) -> None:
-    """Say once that a shared store without a secret is trusted as it is."""
+    """Say once per process and store that a shared store without a secret is trusted as it is (a server
+    opens one prefix cache per cache salt on the same store: the warning would repeat for each)."""
     if sealer.authenticated or not shared:
         return
+    with _WARNED_LOCK:
+        if url in _WARNED_URLS:
+            return
+        _WARNED_URLS.add(url)
     logger.warning(
         "prefix store %s: no %s or %s set, so chunks are not authenticated; anyone who can write to this "
         "store can change what is generated from it", url, SECRET_ENV, SECRET_FILE_ENV,

@@ -176,7 +176,7 @@ def test_json_with_a_utf8_charset_is_parsed(client: TestClient) -> None:
 
 
 def test_the_tokens_of_finished_requests_are_given_back(loaded: LoadedModel) -> None:
-    with make_client(loaded, max_tokens_in_system=40) as client:
+    with make_client(loaded, max_tokens_in_system=40, max_tokens_per_request=40) as client:
         for _ in range(3):  # each holds 16 + 20 of the 40 tokens while it runs
             reply = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 20})
             assert reply.status_code == 200, reply.text
@@ -201,7 +201,7 @@ def test_the_tokens_of_finished_requests_are_given_back(loaded: LoadedModel) -> 
     ],
 )
 def test_the_parser_bounds_depth_values_and_numbers(raw: bytes, message: str | None) -> None:
-    from kvlab.serve.protocol import BodyError, parse_body
+    from kvlab.serve.body import BodyError, parse_body
 
     if message is None:
         assert isinstance(parse_body(raw), dict)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -243,17 +245,23 @@ def test_a_store_that_cannot_be_reached_costs_reuse_not_completion(loaded: Loade
         engine.shutdown()
 
 
-class SlowReads:
-    """A store whose reads take `delay_s` (a slow link); lookups stay fast."""
+RELEASE_TIMEOUT_S = 30.0
+"""How long a held read waits for the test to release it: a guard against hanging, never a measurement."""
 
-    def __init__(self, inner: object, delay_s: float) -> None:
-        self.inner, self.delay_s = inner, delay_s
+
+class HeldReads:
+    """A store whose reads wait until the test sets `release` (a link exactly as slow as the test needs,
+    without a clock); lookups stay fast. `waits` records, per read, whether the test released it."""
+
+    def __init__(self, inner: object, release: threading.Event) -> None:
+        self.inner, self.release = inner, release
+        self.waits: list[bool] = []
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
 
     def get(self, key: str, *args: object, **kwargs: object) -> bytes | None:
-        time.sleep(self.delay_s)
+        self.waits.append(self.release.wait(RELEASE_TIMEOUT_S))
         return self.inner.get(key, *args, **kwargs)  # type: ignore[attr-defined, no-any-return]
 
 
@@ -262,15 +270,25 @@ def test_a_request_waiting_for_its_fetch_does_not_block_the_queue(loaded: Loaded
     engine = ServeEngine(loaded, config, LosslessConfig(compressors.create("snapkv", budget=12)))
     try:
         assert engine.prefixes is not None
-        engine.prefixes.store = SlowReads(engine.prefixes.store, delay_s=0.5)  # type: ignore[assignment]
+        release = threading.Event()
+        release.set()  # the first run stores the prompt's chunks unheld
+        held = HeldReads(engine.prefixes.store, release)
+        engine.prefixes.store = held  # type: ignore[assignment]
         generation = GenerationConfig(max_new_tokens=4, ignore_eos=True)
         run_one(engine, PROMPTS[2], generation, "plain")
         engine.prefixes.get(None).flush()
+        release.clear()
+        held.waits.clear()
         collector = Collector()
-        engine.submit(make_request(collector, 0, PROMPTS[2], generation))  # its 3 stored chunks take >= 1.5 s
+        engine.submit(make_request(collector, 0, PROMPTS[2], generation))  # its 3 stored chunks' reads are held
         engine.submit(make_request(collector, 1, PROMPTS[3], generation))  # nothing stored: ready at once
-        fetched, fresh = collector.wait(0), collector.wait(1)
+        fresh = collector.wait(1)  # while request 0's reads are held
+        release.set()
+        fetched = collector.wait(0)
         assert isinstance(fetched, FinishedEvent) and isinstance(fresh, FinishedEvent)
+        assert held.waits and all(held.waits), (
+            f"request 0's reads were not all released by the test ({held.waits}): request 1 did not finish while "
+            "they were held")
         assert fetched.stats.cached_tokens == 24, "32 tokens hold 3 reusable 8-token chunks"
         with collector.lock:
             finished_order = [tag for tag, event in collector.log if isinstance(event, FinishedEvent)]
@@ -334,3 +352,54 @@ def test_an_engine_thread_that_dies_fails_its_requests_reports_unhealthy_and_ref
     with pytest.raises(EngineClosedError, match="engine failed"):
         engine.submit(make_request(collector, 1, PROMPTS[1], GenerationConfig(max_new_tokens=4)))
     engine.shutdown()
+
+
+@pytest.mark.parametrize(("stop_reason", "error"), [("error", "RuntimeError: a forward failed"), ("cancelled", None)])
+def test_a_request_the_engine_stopped_on_a_failure_gets_a_failed_event_never_a_finish(
+    engine: ServeEngine, monkeypatch: pytest.MonkeyPatch, stop_reason: str, error: str | None
+) -> None:
+    # The engine's account of a failed request: its stop reason and message (`RequestOutput.error`),
+    # with no exception object to read.
+    real_output = engine.engine.output
+    failing = PROMPTS[2]
+
+    def output(request_id: int) -> Any:
+        produced = real_output(request_id)
+        if produced.prompt_token_ids != failing:
+            return produced
+        return types.SimpleNamespace(prompt_token_ids=failing, token_ids=produced.token_ids, text=produced.text,
+                                     stop_reason=stop_reason, error=error, logprobs=None, prompt_logprobs=None)
+
+    monkeypatch.setattr(engine.engine, "output", output)
+    monkeypatch.setattr(engine.engine, "error", lambda request_id: None)
+    collector = Collector()
+    good = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    engine.submit(make_request(collector, 0, PROMPTS[0], good))
+    engine.submit(make_request(collector, 1, failing, good))
+    failed = collector.wait(1)
+    assert isinstance(failed, FailedEvent) and failed.kind == "error", f"a failed request was delivered as {failed}"
+    assert (error or repr(stop_reason)) in failed.message, failed.message
+    assert isinstance(collector.wait(0), FinishedEvent), "the request beside the failed one did not finish"
+    sample = engine.metrics.registry.get_sample_value
+    model = engine.loaded.name
+    assert sample("kvlab:request_failure_total", {"model_name": model, "reason": "error"}) == 1
+    assert sample("kvlab:request_failure_total", {"model_name": model, "reason": "cancelled"}) is None
+    assert sample("kvlab:request_success_total", {"model_name": model, "finished_reason": "length"}) == 1
+    assert sample("kvlab:request_success_total", {"model_name": model, "finished_reason": stop_reason}) is None
+
+
+def test_the_no_secret_warning_is_said_once_however_many_cache_salts(
+    loaded: LoadedModel, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("KVLAB_STORE_SECRET", "KVLAB_STORE_SECRET_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    config = ServeConfig(prefix_store=f"file://{tmp_path}", prefix_chunk_tokens=8, max_cache_salts=2)
+    engine = ServeEngine(loaded, config, LosslessConfig(compressors.create("snapkv", budget=12)))
+    try:
+        assert engine.prefixes is not None
+        for salt in (None, "tenant-a", "tenant-b", "tenant-c", None):  # past max_cache_salts: caches reopen
+            engine.prefixes.get(salt)
+    finally:
+        engine.shutdown()
+    said = [record for record in caplog.records if "not authenticated" in record.getMessage()]
+    assert len(said) == 1, f"the no-secret warning was said {len(said)} times for one store"
