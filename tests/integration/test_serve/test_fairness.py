@@ -294,3 +294,19 @@ def test_the_library_prints_nothing_and_reports_its_start(
     assert run_server(config, on_start=started.append) == 1  # uvicorn never started
     assert capsys.readouterr() == ("", ""), "the library printed"
     assert [(start.model_name, start.url) for start in started] == [(loaded.name, "http://127.0.0.1:0")]
+
+
+def test_the_no_secret_warning_is_logged_once_per_store_however_many_cache_salts(tmp_path: Path) -> None:
+    env = {key: "" for key in ("KVLAB_STORE_SECRET", "KVLAB_STORE_SECRET_FILE")}
+    store = f"file://{tmp_path / 'store'}"
+    process = ServeProcess(tmp_path, "--prefix-store", store, "--prefix-chunk-tokens", "16", env=env)
+    try:
+        for salt in ("tenant-a", "tenant-b", "tenant-c"):
+            status, reply = process.post("/v1/completions", {
+                "model": "smollm2", "prompt": list(range(100, 140)), "max_tokens": 2, "kvlab": {"cache_salt": salt},
+            })
+            assert status == 200, reply
+    finally:
+        process.stop()
+    log = process.log.read_text(errors="replace")
+    assert log.count("chunks are not authenticated") == 1, log[-3000:]
