@@ -5,10 +5,13 @@ answer), SIGTERM ends the process within its timeout, and the start-up banner is
 
 from __future__ import annotations
 
+import ast
 import http.client
 import json
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -20,9 +23,6 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvlab.serve.config import ServeConfig
-from kvlab.serve.server import ServerStart, run_server
-from tests.helpers import tiny_llama
 from tests.integration.test_serve.server import ServeProcess
 
 pytestmark = pytest.mark.integration
@@ -280,20 +280,33 @@ def test_the_banner_is_printed_by_the_cli_once(server: ServeProcess) -> None:
     assert log.count(banner) == 1, log[:2000]
 
 
-def test_the_library_prints_nothing_and_reports_its_start(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    import kvlab.serve.server as server_module
+# Run in a child process: `run_server` configures uvicorn's logging, installs signal handlers and starts
+# the engine's thread, none of which may leak into the test process (uvicorn's handlers would write to this
+# test's captured stderr after it is closed).
+LIBRARY_START = """
+import sys
+import kvlab.serve.server as server_module
+from kvlab.serve.config import ServeConfig
+from tests.helpers import tiny_llama
 
-    loaded = tiny_llama()
-    monkeypatch.setattr(server_module, "load_model", lambda *args, **kwargs: loaded)
-    monkeypatch.setattr(server_module.DrainingServer, "run", lambda self, sockets=None: None)  # serves nothing
-    monkeypatch.setattr(server_module.signal, "signal", lambda *args: None)  # this process keeps its handlers
-    started: list[ServerStart] = []
-    config = ServeConfig(port=0)
-    assert run_server(config, on_start=started.append) == 1  # uvicorn never started
-    assert capsys.readouterr() == ("", ""), "the library printed"
-    assert [(start.model_name, start.url) for start in started] == [(loaded.name, "http://127.0.0.1:0")]
+loaded = tiny_llama()
+server_module.load_model = lambda *args, **kwargs: loaded
+server_module.DrainingServer.run = lambda self, sockets=None: None  # serves nothing
+started = []
+code = server_module.run_server(ServeConfig(port=0), on_start=started.append)
+print(repr((code, [(start.model_name, start.url) for start in started], loaded.name)), file=sys.__stderr__)
+"""
+
+
+def test_the_library_prints_nothing_and_reports_its_start() -> None:
+    root = Path(__file__).resolve().parents[3]
+    child = subprocess.run([sys.executable, "-c", LIBRARY_START], cwd=root, capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert child.stdout == "", f"the library printed: {child.stdout!r}"
+    code, started, name = ast.literal_eval(child.stderr.strip().splitlines()[-1])
+    assert child.stderr.strip().count("\n") == 0, f"the library printed: {child.stderr!r}"
+    assert code == 1, "uvicorn never started, so run_server must say it failed"
+    assert started == [(name, "http://127.0.0.1:0")]
 
 
 def test_the_no_secret_warning_is_logged_once_per_store_however_many_cache_salts(tmp_path: Path) -> None:
