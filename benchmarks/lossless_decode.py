@@ -42,6 +42,7 @@ from kvlab.lossless.gate import GateConfig
 from kvlab.lossless.prompt_lookup import split_drafter_name
 from kvlab.models import DEFAULT_MODEL, LoadedModel, load_model
 from kvlab.models.draft_weights import draft_model
+from kvlab.models.int4_linear import Int4Linear
 from kvlab.models.packed_linear import PackedLinear
 
 # (label, mode, compressor name, compressor params, num_draft_tokens, draft weights)
@@ -67,10 +68,13 @@ Prefilled = list[tuple[KVCache, KVCache, torch.Tensor]]
 
 
 def linear_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights a forward reads: every linear layer's (int8 packed weights count 1 byte)."""
+    """Bytes of the weights a forward reads: every linear layer's (int8 packed weights count 1 byte, int4
+    layers their packed codes and their scales and zeros)."""
     total = 0
     for module in model.modules():
-        if isinstance(module, PackedLinear):
+        if isinstance(module, Int4Linear):
+            total += module.weight_nbytes()
+        elif isinstance(module, PackedLinear):
             total += module.in_features * module.out_features * module.packed_weight.element_size()
         elif isinstance(module, torch.nn.Linear):
             total += module.weight.numel() * module.weight.element_size()

@@ -56,6 +56,16 @@ def test_lossless_output_equals_plain_greedy(
     assert output.lossless is not None and output.lossless.num_accepted_tokens > 0
 
 
+def test_lossless_output_with_int4_draft_weights_equals_plain_greedy(
+    embedded_model: LoadedModel, prompts: list[list[int]], plain_outputs: list[list[int]]
+) -> None:
+    # The drafts read a 4-bit copy of the linear weights; verification stays on the exact model.
+    spec = LosslessConfig(create_compressor("snapkv", compression_ratio=0.9), 4, draft_weights="int4")
+    output = generate_lossless(embedded_model, prompts, GenerationConfig(max_new_tokens=40), spec)
+    assert [request.token_ids for request in output.requests] == plain_outputs, "int4 drafts changed the output"
+    assert output.lossless is not None and output.lossless.num_accepted_tokens > 0, "no int4 draft was accepted"
+
+
 def test_lossy_decoding_from_a_small_cache_diverges(
     embedded_model: LoadedModel, prompts: list[list[int]], plain_outputs: list[list[int]]
 ) -> None:

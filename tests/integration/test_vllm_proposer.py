@@ -356,5 +356,7 @@ def test_the_draft_weights_come_from_the_environment(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(DRAFT_WEIGHTS_ENV, "int8")
     assert draft_weights_from_environment() == "int8"
     monkeypatch.setenv(DRAFT_WEIGHTS_ENV, "int4")
-    with pytest.raises(ConfigError, match="KVLAB_VLLM_DRAFT_WEIGHTS must be one of same, bf16, int8"):
+    assert draft_weights_from_environment() == "int4"
+    monkeypatch.setenv(DRAFT_WEIGHTS_ENV, "fp8")
+    with pytest.raises(ConfigError, match="KVLAB_VLLM_DRAFT_WEIGHTS must be one of same, bf16, int8, int4, got 'fp8'"):
         draft_weights_from_environment()

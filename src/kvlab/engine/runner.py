@@ -2,7 +2,7 @@
 
 Every sequence attends over its own cache, so the weights are read once for all of them. Drafting
 feeds whose drafter is the target model share the target's forward with the verify feeds; a drafter
-with its own weights (bf16, int8) gets a forward of its own, run first.
+with its own weights (bf16, int8, int4) gets a forward of its own, run first.
 """
 
 from __future__ import annotations

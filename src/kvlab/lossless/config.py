@@ -62,7 +62,7 @@ class LosslessConfig:
     draft_weights: DraftWeights = dataclasses.field(
         default="same",
         metadata={
-            "help": "draft with the model itself (same) or a cheaper bf16/int8-weight copy; verification always "
+            "help": "draft with the model itself (same) or a cheaper bf16/int8/int4-weight copy; verification always "
             "uses the exact model"
         },
     )

@@ -13,7 +13,7 @@ Mode = Literal["plain", "lossy", "lossless"]
 MODES: tuple[Mode, ...] = ("plain", "lossy", "lossless")
 # kvlab.models.DTYPES and DraftWeights, spelled out so that `kvlab serve --help` loads no torch.
 Dtype = Literal["float32", "bfloat16", "float16"]
-DraftWeightsName = Literal["same", "bf16", "int8"]
+DraftWeightsName = Literal["same", "bf16", "int8", "int4"]
 DRAFT_WEIGHTS_NAMES: tuple[DraftWeightsName, ...] = get_args(DraftWeightsName)
 MetricsPrefix = Literal["kvlab", "vllm"]
 # The names a browser on this machine uses for a server bound to loopback.
@@ -112,12 +112,12 @@ class ServeConfig:
         default="auto", metadata=_help("default draft length, or auto (adapted per sequence)")
     )
     draft_weights: DraftWeightsName = dataclasses.field(
-        default="same", metadata=_help("draft with the model (same) or a bf16/int8 copy")
+        default="same", metadata=_help("draft with the model (same) or a bf16/int8/int4 copy")
     )
     # A name, not the Literal: the flag also takes a comma-separated list, checked in __post_init__.
     allowed_draft_weights: tuple[str, ...] = dataclasses.field(
         default=(), metadata=_help(
-            "other draft weights (same, bf16, int8; comma-separated) a lossless request may name in "
+            "other draft weights (same, bf16, int8, int4; comma-separated) a lossless request may name in "
             "kvlab.draft_weights, each copy built at start-up (default: only --draft-weights)"
         )
     )

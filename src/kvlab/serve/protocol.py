@@ -59,8 +59,8 @@ class KvlabOptions(BaseModel):
         draft_length: Tokens drafted per round, or "auto" (`num_draft_tokens` in kvlab's code).
         cache_salt: Prefix-store namespace: only requests with the same salt share stored prefixes.
         ignore_eos: Keep generating past end-of-sequence tokens (as the top-level `ignore_eos`).
-        draft_weights: The weights that draft in lossless mode: the model's own (same) or its bf16 or
-            int8 copy, among those the server was started with (`--allowed-draft-weights`).
+        draft_weights: The weights that draft in lossless mode: the model's own (same) or its bf16,
+            int8 or int4 copy, among those the server was started with (`--allowed-draft-weights`).
     """
 
     model_config = STRICT

@@ -173,7 +173,7 @@ def test_compare_modes_marks_lossless_identical_and_finds_the_lossy_divergence()
     assert 0 < by_mode["lossless"].tier_bytes_per_token < by_mode["full"].tier_bytes_per_token
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
 def test_a_lower_precision_drafter_keeps_the_output_identical(weights: str) -> None:
     loaded = tiny_llama(num_kv_heads=2)
     prompts = _prompts(50, 70)

@@ -166,7 +166,7 @@ def test_packing_refuses_what_it_cannot_pack() -> None:
     assert pack_linear_layers(model) == 0
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
 def test_draft_weight_copies_of_a_packed_model_run(weights: str) -> None:
     loaded = tiny_llama()
     drafter = draft_model(loaded.model, weights)  # type: ignore[arg-type]

@@ -336,7 +336,7 @@ def test_the_allowed_draft_weights_are_built_at_start_up(loaded: LoadedModel, mo
 
 
 def test_allowed_draft_weights_must_be_known() -> None:
-    with pytest.raises(ConfigError, match="allowed draft weights must be among same, bf16, int8, got 'fp8'"):
+    with pytest.raises(ConfigError, match="allowed draft weights must be among same, bf16, int8, int4, got 'fp8'"):
         ServeConfig(allowed_draft_weights=("fp8",))
 
 

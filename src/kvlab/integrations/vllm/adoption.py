@@ -37,7 +37,7 @@ MIN_WINDOW = 32
 # (tests/integration/test_vllm_proposer.py): at most 2.6e-6. Half-precision types, not measured, get 8
 # steps of their precision.
 FLOAT32_TOLERANCE = 1e-4
-# The same for a token whose KV cheaper draft weights computed (int8 or bf16 linear layers): only a
+# The same for a token whose KV cheaper draft weights computed (int8, int4 or bf16 linear layers): only a
 # check that the pages hold that token at that position (another token or position differs by ~1).
 DRAFT_WEIGHTS_TOLERANCE = 0.1
 # A fallback of one kind is logged the first time and then every this many times.

@@ -27,9 +27,9 @@ tokens through the drafter.
 vLLM's model module cannot attend over a kvlab cache, so the checkpoint is loaded a second time into
 transformers modules with kvlab attention (docs/vllm.md). The drafter is any kvlab compressor, chosen
 by `KVLAB_VLLM_DRAFTER` (JSON `{"name": ..., **params}`, default `{"name": "snapkv"}`), and the
-weights it drafts with by `KVLAB_VLLM_DRAFT_WEIGHTS` (`same`, `bf16` or `int8`: a copy whose linear
-layers read a quarter of the bytes on a CPU; default `same`): vLLM passes a custom proposer nothing
-but its config. Prompts' windows and prefills always run with the served weights.
+weights it drafts with by `KVLAB_VLLM_DRAFT_WEIGHTS` (`same`, `bf16`, `int8` or `int4`: a copy whose
+linear layers read a quarter or an eighth of the bytes on a CPU; default `same`): vLLM passes a custom
+proposer nothing but its config. Prompts' windows and prefills always run with the served weights.
 """
 
 from __future__ import annotations
