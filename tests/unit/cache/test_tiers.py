@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvlab.bandwidth import TokenBucket
 from kvlab.cache import KVCache, forward
 from kvlab.cache.tiers import (
     EMULATED_BURST_BYTES,
@@ -97,16 +98,35 @@ def test_rows_keep_their_own_draft_lengths() -> None:
     assert output.lossless.num_draft_tokens == sum(output.lossless.num_draft_tokens_per_round)
 
 
-def test_an_emulated_tier_takes_as_long_as_its_bandwidth_says() -> None:
+class FakeClock:
+    """The emulated link's clock: it moves only when the link sleeps, so its charge is read, not timed."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_an_emulated_tier_charges_every_byte_it_reads_at_its_bandwidth() -> None:
     loaded = tiny_llama(num_kv_heads=2)
     cache = KVCache.allocate(loaded.architecture, 1, 400, loaded.dtype, "cpu")
     forward(loaded.model, cache, torch.randint(3, 96, (1, 300)))
     loader = TierLoader(TierSpec.parse("emulated:0.001"))  # 1 MB/s
+    assert loader.bucket is not None
+    clock = FakeClock()
+    loader.bucket = TokenBucket(loader.bucket.rate, loader.bucket.burst, clock=clock, sleep=clock.sleep)
     tiered = move_to_tier(cache, loader, 400)
     forward(loaded.model, tiered, torch.randint(3, 96, (1, 1)))
     moved = loader.stats.bytes_read
     assert moved == loaded.architecture.num_layers * 2 * 2 * 300 * 16 * 4
-    assert loader.stats.wait_s >= 0.9 * (moved - EMULATED_BURST_BYTES) / 1e6
+    # The burst is free, every other byte waits its turn at 1 MB/s: the link's clock moved exactly that long.
+    assert clock.now == pytest.approx((moved - EMULATED_BURST_BYTES) / 1e6, rel=1e-9), clock.slept
 
 
 def test_a_truncated_disk_tier_file_is_an_error_not_wrong_tokens(_tier_dir: Path) -> None:
