@@ -5,13 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvlab import attention
 from kvlab.attention import (
     FOLDED_SCORES_MAX_QUERIES,
+    SPLIT_KV_CHUNK,
+    SPLIT_KV_MIN_KEYS,
     attend_newest,
     attend_newest_reference,
     attention_with_lse,
     attention_with_lse_reference,
     merge_attention,
+    split_kv_decode,
 )
 
 # Float32 results of the split path differ from one masked kernel only in the reduction order.
@@ -90,3 +94,59 @@ def test_a_verify_forward_through_the_fast_path_matches_the_masked_one_on_a_mode
     fast, reference = verify_logits_both_ways(loaded, tokens[:100], tokens[100:])
     torch.testing.assert_close(fast, reference, rtol=1e-4, atol=1e-4)
     assert torch.equal(fast.argmax(dim=-1), reference.argmax(dim=-1))
+
+
+def stored(kv_heads: int, num_keys: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values as a cache layer holds them: the first `num_keys` of a larger preallocated buffer."""
+    capacity = num_keys + 40
+    keys = torch.randn(1, kv_heads, capacity, 64, generator=generator)[:, :, :num_keys]
+    values = torch.randn(1, kv_heads, capacity, 64, generator=generator)[:, :, :num_keys]
+    return keys, values
+
+
+# One chunk with the shortest and the longest tail (2 and SPLIT_KV_CHUNK + 1 keys), two chunks, long caches.
+@pytest.mark.parametrize("num_keys", [SPLIT_KV_CHUNK + 2, 2 * SPLIT_KV_CHUNK + 1, 2 * SPLIT_KV_CHUNK + 2, 100, 1000])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 1), (4, 4)])
+def test_split_kv_decode_matches_the_masked_reference(num_keys: int, heads: int, kv_heads: int) -> None:
+    generator = torch.Generator().manual_seed(num_keys + heads)
+    queries = torch.randn(1, heads, 1, 64, generator=generator)
+    keys, values = stored(kv_heads, num_keys, generator)
+    folded = queries.reshape(1, kv_heads, heads // kv_heads, 64)
+    split = split_kv_decode(folded, keys, values, 0.125).reshape(1, heads, 1, 64)
+    reference = attend_newest_reference(queries, keys, values, 0.125)
+    torch.testing.assert_close(split, reference, rtol=TOLERANCE, atol=TOLERANCE)
+    assert torch.equal(split.argmax(dim=-1), reference.argmax(dim=-1))
+
+
+def test_one_query_over_a_long_cache_takes_the_compiled_split_path_for_every_length() -> None:
+    assert SPLIT_KV_CHUNK > 1
+    generator = torch.Generator().manual_seed(11)
+    compiled = attention._CompiledSplitKV()
+    # Lengths on both sides of a chunk boundary, from one buffer as a decoding cache grows.
+    for num_keys in (SPLIT_KV_MIN_KEYS, SPLIT_KV_MIN_KEYS + 1, SPLIT_KV_MIN_KEYS + SPLIT_KV_CHUNK + 3, 2000):
+        queries = torch.randn(1, 9, 1, 64, generator=generator)
+        keys, values = stored(3, num_keys, generator)
+        folded = queries.reshape(1, 3, 3, 64)
+        output = compiled.attend(folded, keys, values, 0.125)
+        assert output is not None, f"the compiled path failed at {num_keys} keys"
+        reference = attend_newest_reference(queries, keys, values, 0.125)
+        torch.testing.assert_close(output.reshape(1, 9, 1, 64), reference, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_attend_newest_takes_sdpa_once_compiling_fails(monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    def no_compiler(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(attention, "_SPLIT_KV", attention._CompiledSplitKV())
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    generator = torch.Generator().manual_seed(13)
+    queries = torch.randn(1, 9, 1, 64, generator=generator)
+    keys, values = stored(3, SPLIT_KV_MIN_KEYS + 5, generator)
+    with caplog.at_level("WARNING", logger="kvlab.attention"):
+        first = attend_newest(queries, keys, values, 0.125)
+        second = attend_newest(queries, keys, values, 0.125)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        queries.reshape(1, 3, 3, 64), keys, values, scale=0.125).reshape(1, 9, 1, 64)
+    assert torch.equal(first, sdpa) and torch.equal(second, sdpa)
+    assert [record.message.count("could not be compiled") for record in caplog.records] == [1], "warned once"
