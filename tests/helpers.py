@@ -204,3 +204,18 @@ def decode_fetching_in_background(
     finally:
         engine.close()
     return engine, ids
+
+
+class FakeClock:
+    """A clock that moves only when slept on or moved by the test: what a token bucket charges is read, not timed."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds

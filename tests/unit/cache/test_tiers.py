@@ -25,7 +25,7 @@ from kvlab.engine import generate, generate_lossless
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig
 from kvlab.lossless import LosslessConfig
-from tests.helpers import tiny_llama
+from tests.helpers import FakeClock, tiny_llama
 
 TIERS = ["host", "disk", "emulated:5"]
 
@@ -96,21 +96,6 @@ def test_rows_keep_their_own_draft_lengths() -> None:
     # Rounds are per sequence: their count differs from a lock-stepped batch's multiple of the batch size.
     assert output.lossless.rounds == len(output.lossless.num_draft_tokens_per_round)
     assert output.lossless.num_draft_tokens == sum(output.lossless.num_draft_tokens_per_round)
-
-
-class FakeClock:
-    """The emulated link's clock: it moves only when the link sleeps, so its charge is read, not timed."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.slept: list[float] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.now += seconds
 
 
 def test_an_emulated_tier_charges_every_byte_it_reads_at_its_bandwidth() -> None:

@@ -8,6 +8,7 @@ from kvlab.errors import ConfigError
 from kvlab.store import create_store
 from kvlab.store.backends.link import ThrottledStore, TokenBucket
 from kvlab.store.prefix.planner import RECOMPUTE, ResolutionCost, choose_resolution, pipeline_seconds, plan_chunks
+from tests.helpers import FakeClock
 
 EXACT = ResolutionCost("exact", quality=3, nbytes=1000, decode_s=0.001)
 INT8 = ResolutionCost("int8", quality=2, nbytes=300, decode_s=0.002)
@@ -48,21 +49,6 @@ def test_the_cut_balances_fetch_and_recompute() -> None:
     # Fetching costs 1 s a chunk; recomputing the first two would take 5 s each, the last 0.5 s.
     plan = plan_chunks([[EXACT]] * 3, [5.0, 5.0, 0.5], bandwidth_bytes_per_s=1e3)
     assert plan == ["exact", "exact", RECOMPUTE]
-
-
-class FakeClock:
-    """A clock that moves only when slept on or moved by the test: the bucket's waits are read, not timed."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.slept: list[float] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.now += seconds
 
 
 def test_token_bucket_charges_transfers_at_its_rate() -> None:
