@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from kvlab.attention import warm_up_split_kv
 from kvlab.bench.tasks import tasks
 from kvlab.bench.tasks.base import read_json, truncate_to_tokens
 from kvlab.compress import create_compressor
@@ -215,6 +216,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
     loaded = load_model(None)
+    # Compile the split-KV decode attention before anything is timed (its first long cache would pay it).
+    warm_up_split_kv(loaded.architecture.num_kv_heads, loaded.architecture.num_kv_groups, loaded.architecture.head_dim)
     kvlab_row(loaded, document_token_ids(loaded.tokenizer, 256), "kvlab plain", 8)  # warm-up
     results = []
     for name in args.prompts:

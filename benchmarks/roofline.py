@@ -45,7 +45,7 @@ from kvlab.models import LoadedModel, load_model
 from kvlab.models.draft_weights import draft_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lossless_decode import attended_bytes, linear_weight_bytes
+from lossless_decode import attended_bytes, linear_weight_bytes, warm_up_decode_attention
 
 STREAM_BYTES = 512 * 2**20
 WEIGHTS_ONLY_CONTEXT = 16
@@ -239,6 +239,7 @@ def main() -> None:
 
     limits = measure_limits(args.repeats)
     loaded = load_model()
+    warm_up_decode_attention(loaded)  # compile before anything is timed
     forwards = build_forwards(loaded, args)
     for forward in forwards:
         forward.run()  # warm-up: the first forward of each shape runs slower

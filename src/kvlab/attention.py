@@ -299,6 +299,15 @@ class _CompiledSplitKV:
 _SPLIT_KV = _CompiledSplitKV()
 
 
+def warm_up_split_kv(kv_heads: int, group: int, head_dim: int) -> bool:
+    """Compile `split_kv_decode` for a model's geometry now rather than at its first long cache (about 2 s
+    with inductor's disk cache warm, 10 s cold), so a benchmark's first timed step or a server's first
+    long request does not pay for it; returns whether the compiled path is ready."""
+    folded = torch.zeros(1, kv_heads, group, head_dim)
+    keys = torch.zeros(1, kv_heads, SPLIT_KV_MIN_KEYS + 1, head_dim)
+    return _SPLIT_KV.attend(folded, keys, keys, head_dim**-0.5) is not None
+
+
 # Up to this many queries per row `attend_newest` materializes the scores (H * q * T floats). Measured
 # at 8064 keys, 9 + 1 heads of 64, 2 threads: 9 queries take 3.0-3.4 ms against 3.8-4.6 ms split.
 FOLDED_SCORES_MAX_QUERIES = 64

@@ -16,6 +16,7 @@ from kvlab.attention import (
     attention_with_lse_reference,
     merge_attention,
     split_kv_decode,
+    warm_up_split_kv,
 )
 
 # Float32 results of the split path differ from one masked kernel only in the reduction order.
@@ -150,3 +151,7 @@ def test_attend_newest_takes_sdpa_once_compiling_fails(monkeypatch: pytest.Monke
         queries.reshape(1, 3, 3, 64), keys, values, scale=0.125).reshape(1, 9, 1, 64)
     assert torch.equal(first, sdpa) and torch.equal(second, sdpa)
     assert [record.message.count("could not be compiled") for record in caplog.records] == [1], "warned once"
+
+
+def test_warming_up_compiles_the_split_path_before_the_first_long_cache() -> None:
+    assert warm_up_split_kv(kv_heads=3, group=3, head_dim=64), "the compiled split-KV path is not ready"
