@@ -39,7 +39,6 @@ from kvlab.engine import Engine, EngineConfig, PrefilledPrompt, Request
 from kvlab.generation import GenerationConfig, GenerationOutput, reference_decode
 from kvlab.generation.prefill import PrefillCaches, prefill
 from kvlab.lossless import LosslessConfig, LosslessOutput
-from kvlab.lossless.gate import GateConfig
 from kvlab.lossless.prompt_lookup import split_drafter_name
 from kvlab.models import DEFAULT_MODEL, LoadedModel, load_model
 from kvlab.models.draft_weights import draft_model
@@ -54,7 +53,6 @@ SETTINGS: list[tuple[str, str, str | None, dict[str, object], int | str, str]] =
     ("lossy kivi-2", "lossy", "kivi", {"bits": 2}, 0, "same"),
     ("lossless snapkv-0.9 k=auto", "lossless", "snapkv", {"compression_ratio": 0.9}, "auto", "same"),
     ("lossless ngram+snapkv-0.9 k=auto", "lossless", "ngram+snapkv", {"compression_ratio": 0.9}, "auto", "same"),
-    ("lossless snapkv-0.9 k=auto, no gate", "ungated", "snapkv", {"compression_ratio": 0.9}, "auto", "same"),
     ("lossless snapkv-0.9 k=8", "lossless", "snapkv", {"compression_ratio": 0.9}, 8, "same"),
     ("lossless snapkv-0.9 k=32", "lossless", "snapkv", {"compression_ratio": 0.9}, 32, "same"),
     ("lossless kivi-4 k=32", "lossless", "kivi", {"bits": 4}, 32, "same"),
@@ -130,7 +128,7 @@ def run_setting(
         cache = caches[0] if len(caches) == 1 else KVCache.stack(caches, caches[0].layers[0].capacity)  # type: ignore[attr-defined]
         return reference_decode(loaded, prompts, cache, torch.cat([logits for _, _, logits in prefilled]), config)
     lossless, compressor = None, None
-    if mode in ("lossless", "ungated"):
+    if mode == "lossless":
         assert name is not None
         lookup, drafter = split_drafter_name(name)
         lossless = LosslessConfig(create_compressor(drafter, **params), num_draft_tokens, MAX_NUM_DRAFT_TOKENS,
@@ -138,8 +136,7 @@ def run_setting(
     elif mode == "lossy":
         assert name is not None
         compressor = create_compressor(name, **params)
-    # "ungated": the per-sequence draft-length model alone, without the engine's timed drafting gate.
-    engine = Engine(loaded, EngineConfig(drafting_gate=GateConfig(enabled=mode != "ungated")))
+    engine = Engine(loaded, EngineConfig())
     ids = []
     for prompt, (full, draft, logits) in zip(prompts, prefilled, strict=True):
         request = Request(prompt, config, compressor=compressor, lossless=lossless)
@@ -245,7 +242,8 @@ def main() -> None:
                         "verify_s": lossless.verify_s if lossless else None,
                         "rounds": lossless.rounds if lossless else None,
                         "num_plain_rounds": lossless.num_plain_rounds if lossless else None,
-                        "drafting_verdicts": lossless.drafting_verdicts if lossless else None,
+                        "num_plans": lossless.num_plans if lossless else None,
+                        "cost_model_mre": lossless.cost_model_mre if lossless else None,
                     }
                 )
             # Plain again, last: the machine drifts, so every row of this tier is set against the mean

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 
 # Packages whose import registers components in their registries.
-COMPONENT_PACKAGES: tuple[str, ...] = ("kvlab.compress", "kvlab.codec", "kvlab.bench", "kvlab.store")
+COMPONENT_PACKAGES: tuple[str, ...] = ("kvlab.compress", "kvlab.codec", "kvlab.lossless", "kvlab.bench", "kvlab.store")
 
 
 def load_components() -> None:

@@ -89,9 +89,10 @@ def test_cli_lossless_json_reports_acceptance(embedded_model: LoadedModel, capsy
     lossless = json.loads(capsys.readouterr().out)
     assert lossless["token_ids"] == plain["token_ids"]
     assert {"acceptance_length", "rounds", "num_draft_tokens", "num_accepted_tokens", "num_plain_rounds",
-            "num_lookup_rounds", "drafting_closed_ticks", "drafting_verdicts"} <= set(lossless["stats"])
+            "num_lookup_rounds", "num_plans", "cost_model"} <= set(lossless["stats"])
     assert lossless["stats"]["acceptance_length"] >= 1.0
-    # A fixed draft length ignores the drafting gate: no round of the 24 tokens stood aside but a last one.
+    # A fixed draft length leaves the planner only the source: no round of the 24 tokens drafts nothing but
+    # a last one.
     assert lossless["stats"]["num_plain_rounds"] <= 1
 
 

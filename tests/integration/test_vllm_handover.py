@@ -26,6 +26,7 @@ from kvlab.integrations.vllm.handover import (
 )
 from kvlab.integrations.vllm.layouts import CPUTransposedKeyLayout, slots_of
 from kvlab.integrations.vllm.proposer import KVLabDraftProposer
+from kvlab.lossless.cost_model import SegmentShape
 from kvlab.models import LoadedModel
 from tests.helpers import tiny_llama
 from tests.integration.test_vllm_proposer import NUM_SPECULATIVE_TOKENS, batch, greedy_continuation, vllm_config
@@ -285,8 +286,11 @@ def test_a_lookup_round_drafts_no_forward_and_the_cache_catches_up_from_the_page
     assert drafts[0] == find_continuation(history, NUM_SPECULATIVE_TOKENS, PromptLookup()) != []
     assert proposer.stats.num_draft_forwards == 0 and proposer.stats.num_lookup_rounds == 1
     assert proposer.stats.num_lookup_draft_tokens == len(drafts[0]) and proposer.stats.num_draft_tokens == 0
-    # The lookup measured 1 token a round, the cache is expected to emit 5: the cache drafts next.
-    proposer.costs.step_s, proposer.costs.draft_forward_s = 0.1, 0.01
+    # The lookup's round emitted 1 token; the cache is expected to emit about 3.4 in a round of 4 drafts at
+    # 10 ms each beside a 100 ms step: the cache drafts next.
+    proposer.costs.step_s = 0.1
+    for _ in range(2):
+        proposer.costs.draft.observe_tick([(proposer.draft_weights, [SegmentShape(1, 30)], 0.01)])
     grown = history + [PROMPTS[1][31]]  # the repetition goes on: the lookup has a proposal again
     assert find_continuation(grown, NUM_SPECULATIVE_TOKENS, PromptLookup())
     drafts = propose(proposer, [grown], pages.step([pages.write("a", grown[:-1])]))

@@ -1,31 +1,59 @@
-"""The vLLM proposer's choice between prompt lookup and the compressed cache (pure arithmetic)."""
+"""The vLLM proposer's per-row choice of source and length (kvlab's planner, adapted: pure arithmetic)."""
 
 from __future__ import annotations
 
-from kvlab.integrations.vllm.sources import DraftCosts, SourceRecord, running_mean
+from kvlab.integrations.vllm.sources import CACHE, LOOKUP, RowPlan, RowRecord, StepCosts, plan_rows, running_mean
+from kvlab.lossless.cost_model import SegmentShape
 
 
-def test_an_unmeasured_lookup_is_tried_first() -> None:
-    assert SourceRecord().takes_lookup(DraftCosts(0.1, 0.04), 4)
-    assert SourceRecord(lookup=1.0).takes_lookup(DraftCosts(None, None), 4), "costs unknown: try the free source"
+def fitted(step_s: float, draft_forward_s: float) -> StepCosts:
+    """A vLLM step of `step_s` and draft forwards of `draft_forward_s` whatever they pack."""
+    costs = StepCosts("int8", step_s=step_s)
+    for _ in range(4):
+        costs.draft.observe_tick([("int8", [SegmentShape(1, 100)], draft_forward_s)])
+    return costs
 
 
-def test_the_lookup_is_taken_while_its_rate_beats_the_caches() -> None:
-    costs = DraftCosts(step_s=0.1, draft_forward_s=0.05)  # a cache round costs 0.1 + 4 * 0.05 = 0.3 s
-    # Lookup 2 tokens per 0.1 s = 20/s; cache 5 per 0.3 s = 16.7/s (unmeasured: every draft accepted).
-    assert SourceRecord(lookup=2.0).takes_lookup(costs, 4)
-    # Lookup 1.2 per 0.1 s = 12/s < 16.7/s.
-    assert not SourceRecord(lookup=1.2).takes_lookup(costs, 4)
-    # A measured cache that emits 3 tokens a round (10/s) loses to that lookup.
-    assert SourceRecord(lookup=1.2, cache=3.0).takes_lookup(costs, 4)
+def record(source: str, num_drafted: int, num_emitted: int, rounds: int) -> RowRecord:
+    row = RowRecord()
+    for _ in range(rounds):
+        row.pending = (source, num_drafted)
+        row.record(num_emitted)
+    return row
 
 
-def test_rounds_are_credited_to_the_source_that_drafted_them() -> None:
-    record = SourceRecord(pending="lookup")
-    record.record(3)
-    assert (record.lookup, record.cache, record.pending) == (3.0, None, None)
-    record.pending = "cache"
-    record.record(5)
-    record.record(1)  # nothing pending: a step that drafted nothing
-    assert (record.lookup, record.cache) == (3.0, 5.0)
+def test_before_anything_is_measured_the_lookup_is_tried_where_it_has_a_proposal() -> None:
+    plans = plan_rows([RowRecord(), RowRecord()], [[5, 6, 7], []], [100, 100], 4, StepCosts("int8"))
+    assert plans == [RowPlan(LOOKUP, 3), RowPlan(CACHE, 4)]
+
+
+def test_a_row_whose_cache_drafts_are_never_accepted_proposes_nothing() -> None:
+    rejected = record(CACHE, 4, 1, rounds=30)
+    plans = plan_rows([rejected], [[]], [100], 4, fitted(0.1, 0.05))
+    assert plans == [RowPlan(None, 0)]
+
+
+def test_a_row_whose_drafts_are_accepted_drafts_long_from_the_cache() -> None:
+    accepted = record(CACHE, 4, 5, rounds=30)
+    plans = plan_rows([accepted], [[]], [100], 4, fitted(0.1, 0.01))
+    assert plans == [RowPlan(CACHE, 4)]
+
+
+def test_rows_drafting_together_split_the_draft_forward() -> None:
+    """A draft forward of 120 ms is too dear for one row of a 100 ms step whose first draft is accepted and the
+    second not (2 tokens in 220 ms against 1 in 100), not when eight rows draft together (15 ms each)."""
+    half = record(CACHE, 2, 2, rounds=30)  # the first of two drafts accepted, the second not
+    alone = plan_rows([half], [[]], [100], 2, fitted(0.1, 0.12))
+    rows = [record(CACHE, 2, 2, rounds=30) for _ in range(8)]
+    together = plan_rows(rows, [[]] * 8, [100] * 8, 2, fitted(0.8, 0.12))
+    assert alone == [RowPlan(None, 0)] and all(plan.source == CACHE for plan in together), (alone, together)
+
+
+def test_a_free_lookup_is_taken_over_nothing_and_a_round_credits_its_source() -> None:
+    plans = plan_rows([RowRecord()], [[1, 2]], [100], 4, fitted(0.1, 1.0))
+    assert plans == [RowPlan(LOOKUP, 2)]
+    row = RowRecord(pending=(LOOKUP, 3))
+    row.record(3)  # two of three accepted
+    assert row.acceptance[LOOKUP].accepted[:2] == [1.0, 1.0] and row.acceptance[LOOKUP].reached == [1.0, 1.0, 1.0]
+    assert row.pending is None and row.acceptance[CACHE].reached == []
     assert running_mean(None, 2.0) == 2.0 and 2.0 < running_mean(2.0, 4.0) < 4.0

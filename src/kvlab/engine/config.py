@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from kvlab.lossless.gate import GateConfig
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -21,15 +19,12 @@ class EngineConfig:
         aggregate_stats: Add every request's rounds and prefix fetches up in `Engine.lossless_stats`
             and `Engine.stats` (an offline batch); False for a long-lived engine (a server), which
             reads each request's own figures instead and must not grow with every request served.
-        drafting_gate: How the run checks, by timing, that drafting beats plain steps (`auto` draft
-            lengths only; `kvlab.lossless.gate`).
     """
 
     max_num_seqs: int | None = None
     interleave_prefill: bool = False
     fetch_workers: int = 0
     aggregate_stats: bool = True
-    drafting_gate: GateConfig = GateConfig()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,9 +1,10 @@
 """The engine: the continuous batch every request runs through, plain, lossy or lossless.
 
 `add_request` queues a request; each `step` admits what fits, prefills (a piece, or whole prompts),
-then runs one tick: every running sequence's next feed, packed into one forward per set of weights
-(`kvlab.engine.runner`). Lossless sequences draft and verify on their own schedules
-(`kvlab.lossless.round`); plain and lossy ones take one token per tick (`kvlab.generation.feed`).
+then runs one tick (`kvlab.engine.tick`): every running sequence's next feed, packed into one forward
+per set of weights. Lossless sequences draft and verify on their own schedules (`kvlab.lossless.round`),
+each round planned by the scheduler's planner (`kvlab.lossless.planner`); plain and lossy ones take
+one token per tick (`kvlab.generation.feed`). The run's figures are kept in `kvlab.engine.figures`.
 A failure in one request's work fails that request alone (stop reason "error"); a failing forward fails
 the sequences it carried. The engine is not thread-safe: one thread drives it (a server wraps it in queues).
 """
@@ -15,28 +16,27 @@ import torch
 from kvlab.cache import KVCache
 from kvlab.cache.tiers import TierLoader, TierSpec, move_to_tier
 from kvlab.engine.config import EngineCallbacks, EngineConfig
+from kvlab.engine.figures import RunFigures
 from kvlab.engine.prefixes import PrefixFetcher, PrefixSources
 from kvlab.engine.request import PrefilledPrompt, Request
-from kvlab.engine.runner import group_by_model, pack, run_batch
 from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.sequence import Sequence, Status
+from kvlab.engine.tick import Decoder
 from kvlab.errors import ConfigError
 from kvlab.generation.feed import Rounds, plain_rounds
 from kvlab.generation.logprobs import TokenLogprobs
-from kvlab.generation.outputs import GenerationStats, RequestOutput, finish_timing
+from kvlab.generation.outputs import GenerationStats, RequestOutput
 from kvlab.generation.prefill import PrefillCaches, PrefixReuse, PromptPrefill, check_prompts
 from kvlab.generation.sampling import sampling_generator, select_next_tokens
 from kvlab.generation.stopping import StopChecker
+from kvlab.lossless.calibration import calibrate
 from kvlab.lossless.config import warn_if_inexact
-from kvlab.lossless.draft_length import StepCosts
-from kvlab.lossless.gate import DraftingGate
 from kvlab.lossless.remote_prefix import PrefixTarget, start_remote
 from kvlab.lossless.round import LosslessState, lossless_rounds
 from kvlab.lossless.stats import LosslessStats
 from kvlab.models import LoadedModel
 from kvlab.models.draft_weights import draft_model
 from kvlab.store.resolution import exact_resolutions
-from kvlab.timing import Stopwatch
 
 # The verifier's cache is only ever restored from bit-exact chunks, whatever else the store allows.
 EXACT = exact_resolutions()
@@ -47,7 +47,8 @@ class Engine:
 
     Public API: `add_request`, `step`, `cancel`, `output`, `error`, `release`, `round_stats`,
     `reused_tokens`, the counts (`num_unfinished`, `num_running`, `num_fetching`, `has_work`),
-    `finish_stats` and `close`; `stats` and `lossless_stats` hold the figures of every request so far.
+    `finish_stats` and `close`; `stats` and `lossless_stats` hold the figures of every request so far,
+    `planner` the rounds' planner and its fitted cost model.
     """
 
     def __init__(
@@ -61,18 +62,14 @@ class Engine:
         self.config = config or EngineConfig()
         self.prefixes = prefixes
         self.callbacks = callbacks or EngineCallbacks()
-        self.stats = GenerationStats()
-        self.lossless_stats = LosslessStats()
-        self.costs = StepCosts()  # shared by every sequence's draft-length controller
-        self.gate = DraftingGate(self.config.drafting_gate)  # the run's timed verdict on drafting
+        self.figures = RunFigures(loaded.device, self.config.aggregate_stats, self.callbacks)
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.interleave_prefill)
-        self.clock = Stopwatch(loaded.device)
+        self.planner = self.scheduler.planner
         self._sequences: dict[int, Sequence] = {}
-        self._next_id = 0
-        self._num_admitted = 0
-        self._num_emitting = 0
         self._loaders: dict[TierSpec, TierLoader] = {}
-        self._drafters: dict[str, torch.nn.Module] = {}
+        self._weight_sets: dict[str, torch.nn.Module] = {"same": loaded.model}  # type: ignore[dict-item]
+        self._decoder = Decoder(loaded.model, self._weight_sets, self.planner, self.figures,  # type: ignore[arg-type]
+                                lambda: sum(loader.stats.wait_s for loader in self._loaders.values()))
         self._fetcher = None
         if prefixes is not None and self.config.fetch_workers > 0:
             self._fetcher = PrefixFetcher(prefixes, self.config.fetch_workers)
@@ -97,10 +94,11 @@ class Engine:
             self._drafter(lossless.draft_weights)
             warn_if_inexact(self.loaded.dtype)
         checker = StopChecker(request.config, self.loaded.eos_token_ids, self.loaded.decode)
-        sequence = Sequence(self._next_id, request, generator, checker, self._on_emit, prefilled=prefilled)
+        sequence = Sequence(self.figures.num_added, request, generator, checker, self.figures.on_emit,
+                            prefilled=prefilled)
         if request.config.logprobs is not None:
             sequence.logprobs = TokenLogprobs()
-        self._next_id += 1
+        self.figures.num_added += 1
         if self._fetcher is not None and prefilled is None and request.reuses_prefixes:
             # A lossless verifier's cache is only ever restored from bit-exact chunks.
             resolutions = EXACT if lossless is not None else None
@@ -176,16 +174,18 @@ class Engine:
             sequence.ready for sequence in self.scheduler.waiting
         )
 
+    @property
+    def stats(self) -> GenerationStats:
+        return self.figures.stats
+
+    @property
+    def lossless_stats(self) -> LosslessStats:
+        return self.figures.lossless_stats
+
     def finish_stats(self) -> tuple[GenerationStats, LosslessStats]:
-        """The figures of every request so far, with the tiers' loads and the timing completed."""
-        bytes_read = sum(loader.stats.bytes_read for loader in self._loaders.values())
-        wait_s = sum(loader.stats.wait_s for loader in self._loaders.values())
-        self.stats.tier_bytes_read, self.stats.tier_wait_s = bytes_read, wait_s
-        self.lossless_stats.kv_load_s += wait_s
-        self.lossless_stats.drafting_closed_ticks = self.gate.num_closed_ticks
-        self.lossless_stats.drafting_verdicts = list(self.gate.verdicts)
-        finish_timing(self.stats, self.clock.elapsed(), self._num_admitted)
-        return self.stats, self.lossless_stats
+        """The figures of every request so far, with the tiers' loads, the cost model's fit and the timing
+        completed."""
+        return self.figures.finish(list(self._loaders.values()), self.planner)
 
     def close(self) -> None:
         """Stop the fetch workers (queued fetches are cancelled)."""
@@ -230,7 +230,7 @@ class Engine:
         reuse = None
         if self.prefixes is not None and request.reuses_prefixes:
             resolutions = EXACT if lossless is not None else None
-            reuse = PrefixReuse(self.prefixes.get(request.cache_salt), resolutions, fetched, self._records())
+            reuse = PrefixReuse(self.prefixes.get(request.cache_salt), resolutions, fetched, self.figures.records())
         return PromptPrefill(self.loaded, request.prompt, caches, reuse, request.config.prefill_chunk_tokens,
                              request.config.prompt_logprobs)
 
@@ -247,10 +247,11 @@ class Engine:
         self._admitted(sequence)
         if request.lossless is not None:
             assert prefilled.draft is not None  # add_request refuses a lossless prompt prefilled without one
-            sequence.lossless = LosslessState(
-                cache, prefilled.draft, request.lossless, request.lossless.controller(self.costs, self.gate),
-                pending=[first_token], draft_missing=1, totals=self._totals(), lookup=request.lossless.lookup_choice(),
-            )
+            weights = request.lossless.draft_weights
+            calibrate(self.planner.costs, {"same": self.loaded.model, weights: self._drafter(weights)}, cache,
+                      prefilled.draft, first_token)
+            sequence.lossless = LosslessState(cache, prefilled.draft, request.lossless, self.planner,
+                                              pending=[first_token], draft_missing=1, totals=self.figures.totals())
         else:
             sequence.cache = cache
         going_on = sequence.emit([first_token])
@@ -258,7 +259,7 @@ class Engine:
         if going_on:
             rounds = self._rounds(sequence, first_token)
         sequence.start(rounds)
-        self._record_caches(self.scheduler.running)
+        self.figures.record_caches(self.scheduler.running)
         if not going_on:
             self._finish(sequence, finished)
 
@@ -276,8 +277,8 @@ class Engine:
             return False
         loader = self._loader(request.config.tier)
         target = PrefixTarget(
-            self.loaded, self.prefixes.get(request.cache_salt), loader, self._records() or GenerationStats(),
-            self._totals(),
+            self.loaded, self.prefixes.get(request.cache_salt), loader, self.figures.records() or GenerationStats(),
+            self.figures.totals(),
         )
         started = start_remote(
             target, self._drafter(settings.draft_weights), request.prompt, settings, request.capacity
@@ -286,87 +287,29 @@ class Engine:
             return False
         self.stats.tier = request.config.tier.name
         self._admitted(sequence)
-        controller = settings.controller(self.costs, self.gate)
-        sequence.lossless = LosslessState(started.exact, started.draft, settings, controller,
-                                          pending=[], draft_missing=0, totals=self._totals(),
-                                          draft_logits=started.draft_logits, lookup=settings.lookup_choice())
+        sequence.lossless = LosslessState(started.exact, started.draft, settings, self.planner, pending=[],
+                                          draft_missing=0, totals=self.figures.totals(),
+                                          draft_logits=started.draft_logits)
         sequence.start(lossless_rounds(sequence, sequence.lossless))
-        self._record_caches(self.scheduler.running)
+        self.figures.record_caches(self.scheduler.running)
         return True
 
     def _admitted(self, sequence: Sequence) -> None:
         self.scheduler.start_running(sequence)
-        self._num_admitted += 1
-        self.stats.prompt_tokens += len(sequence.request.prompt)
+        self.figures.admitted(sequence)
 
     # ----- decoding
 
     def _decode(self, finished: list[Sequence]) -> None:
-        """One tick: every running sequence's feed, one packed forward per set of weights."""
-        for sequence in list(self.scheduler.running):
-            try:
-                sequence.prime()
-            except Exception as error:  # one request's failure is that request's alone
-                self._fail(sequence, error, finished)
+        """One tick (`kvlab.engine.tick`), then the stopped sequences finish."""
         running = list(self.scheduler.running)
-        owners = {id(sequence.feed): sequence for sequence in running}
-        feeds = [(self._model_for(sequence), sequence.feed) for sequence in running if sequence.feed is not None]
-        lossless = any(sequence.lossless is not None for sequence in running)
-        tick = self.gate.start_tick(self.stats.new_tokens, [feed for _, feed in feeds], self.loaded.device, lossless)
-        lossless_verified = False
-        for model, group in group_by_model(feeds, self.loaded.model):  # type: ignore[arg-type]
-            batch = pack(model, group)
-            try:
-                logits, seconds = run_batch(batch, self.loaded.device)
-            except Exception as error:  # the forward's sequences fail, the others go on
-                for feed in batch.feeds:
-                    self._fail(owners[id(feed)], error, finished)
-                continue
-            num_verifying = len(batch.feeds) - batch.num_drafting
-            self.costs.observe(seconds, batch.num_drafting, [len(f.token_ids) for f in batch.feeds if not f.drafting])
-            if num_verifying:
-                self.lossless_stats.verify_s += seconds
-            else:
-                self.lossless_stats.draft_s += seconds
-            for feed, feed_logits in zip(batch.feeds, logits, strict=True):
-                sequence = owners[id(feed)]
-                lossless_verified |= sequence.lossless is not None and not feed.drafting
-                try:
-                    sequence.advance(feed_logits)
-                except Exception as error:  # one request's failure is that request's alone
-                    self._fail(sequence, error, finished)
-        if tick is not None:
-            self.gate.observe(tick, self.stats.new_tokens)
-        stopped = [sequence for sequence in running if sequence.status is Status.RUNNING and sequence.feed is None]
-        if lossless_verified or stopped:  # draft caches only grow by the exact KV a verify hands them
-            self._record_caches(running)
+        stopped, verified = self._decoder.tick(running, lambda sequence, error: self._fail(sequence, error, finished))
+        if verified or stopped:  # draft caches only grow by the exact KV a verify hands them
+            self.figures.record_caches([s for s in running if s.status is Status.RUNNING])
         for sequence in stopped:
             self._finish(sequence, finished)
 
-    def _model_for(self, sequence: Sequence) -> torch.nn.Module:
-        feed, lossless = sequence.feed, sequence.request.lossless
-        if feed is not None and feed.drafting and lossless is not None:
-            return self._drafter(lossless.draft_weights)
-        return self.loaded.model
-
     # ----- bookkeeping
-
-    def _on_emit(self, sequence: Sequence, token_ids: list[int]) -> None:
-        if len(sequence.token_ids) == len(token_ids):
-            self._num_emitting += 1
-        self.stats.new_tokens += len(token_ids)
-        everyone_started = self._num_emitting == self._num_admitted == self._next_id
-        if not self.stats.ttft_s and everyone_started:
-            self.stats.ttft_s = self.clock.elapsed()
-        if self.callbacks.on_progress is not None:
-            self.callbacks.on_progress(len(token_ids))
-        if self.callbacks.on_tokens is not None and token_ids:
-            self.callbacks.on_tokens(sequence.id, token_ids)
-
-    def _record_caches(self, sequences: list[Sequence]) -> None:
-        caches = [sequence.stored_cache for sequence in sequences if sequence.stored_cache is not None]
-        if caches:
-            self.stats.record_caches(caches)  # type: ignore[arg-type]
 
     def _finish(self, sequence: Sequence, finished: list[Sequence]) -> None:
         self.scheduler.remove(sequence)
@@ -379,22 +322,12 @@ class Engine:
             sequence.error, sequence.stop_reason = error, sequence.stop_reason or "error"  # a stop rule's stays
             self._finish(sequence, finished)
 
-    def _records(self) -> GenerationStats | None:
-        """Where per-request records (prefix fetches) go: the engine's figures, or nowhere in a
-        long-lived engine, whose figures would otherwise grow with every request it serves."""
-        return self.stats if self.config.aggregate_stats else None
-
-    def _totals(self) -> LosslessStats:
-        """Where a sequence's rounds add up: the engine's figures, or a record that goes with the
-        sequence in a long-lived engine (its per-round lists would grow without bound)."""
-        return self.lossless_stats if self.config.aggregate_stats else LosslessStats()
-
     def _loader(self, spec: TierSpec) -> TierLoader:
         if spec not in self._loaders:
             self._loaders[spec] = TierLoader(spec)
         return self._loaders[spec]
 
     def _drafter(self, weights: str) -> torch.nn.Module:
-        if weights not in self._drafters:
-            self._drafters[weights] = draft_model(self.loaded.model, weights)  # type: ignore[arg-type]
-        return self._drafters[weights]
+        if weights not in self._weight_sets:
+            self._weight_sets[weights] = draft_model(self.loaded.model, weights)  # type: ignore[arg-type]
+        return self._weight_sets[weights]

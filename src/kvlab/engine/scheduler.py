@@ -12,6 +12,11 @@ last). So a prompt of k pieces beside n others prefilling starts decoding within
 ticks, whatever their lengths: a short request beside a 6,000-token prompt waits for a few pieces of
 it, not for all of them, and the long prompt still gets a piece every n + 1 ticks (no one starves).
 Each tick still costs one piece, so the running streams see the same bound as before.
+
+Within the running sequences, what each lossless sequence's next round does (which drafter, how many
+tokens, or a plain step) is the scheduler's `planner`'s decision (`kvlab.lossless.planner`), from the
+cost model it fits to the engine's forwards and each sequence's own acceptance; the planner sees the
+batch as the tick left it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import collections
 
 from kvlab.engine.sequence import Sequence, Status
+from kvlab.lossless.cost_model import ForwardCostModel
+from kvlab.lossless.planner import RoundPlanner
 
 
 class Scheduler:
@@ -35,6 +42,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.prefilling: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
+        self.planner = RoundPlanner(ForwardCostModel())
 
     def __len__(self) -> int:
         """Sequences not finished yet."""

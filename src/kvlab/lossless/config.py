@@ -10,9 +10,7 @@ import torch
 
 from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
-from kvlab.lossless.draft_length import DraftLengthController, StepCosts
-from kvlab.lossless.gate import DraftingGate
-from kvlab.lossless.prompt_lookup import NGRAM_PREFIX, LookupChoice, PromptLookup
+from kvlab.lossless.prompt_lookup import NGRAM_PREFIX, PromptLookup
 from kvlab.models.draft_weights import DRAFT_WEIGHTS, DraftWeights
 from kvlab.store.resolution import RESOLUTIONS, get_resolution
 
@@ -45,8 +43,9 @@ class LosslessConfig:
     num_draft_tokens: int | Literal["auto"] = dataclasses.field(
         default="auto",
         metadata={
-            "help": "tokens drafted per round, or auto: each sequence adapts its own to its measured acceptance "
-            "and the measured costs of draft and verify forwards"
+            "help": "tokens drafted per round, or auto: each round the planner picks the drafter and length (or "
+            "a plain step) with the most expected tokens per second, from the sequence's acceptance per draft "
+            "position and a cost model fitted to this machine's forwards"
         },
     )
     max_num_draft_tokens: int = dataclasses.field(
@@ -112,16 +111,6 @@ class LosslessConfig:
         """The drafter's name as `--drafter` takes it (`ngram+snapkv` with prompt lookup)."""
         name = str(type(self.drafter).registry_name)  # type: ignore[attr-defined]
         return NGRAM_PREFIX + name if self.prompt_lookup is not None else name
-
-    def lookup_choice(self) -> LookupChoice | None:
-        """A sequence's record for choosing between prompt lookup and the compressed cache (None without
-        prompt lookup)."""
-        return None if self.prompt_lookup is None else LookupChoice(self.prompt_lookup)
-
-    def controller(self, costs: StepCosts, gate: DraftingGate | None = None) -> DraftLengthController:
-        """A draft-length controller for one sequence, sharing the run's measured `costs` and its `gate`."""
-        fixed = None if self.num_draft_tokens == "auto" else int(self.num_draft_tokens)
-        return DraftLengthController(costs, fixed=fixed, gate=gate, max_num_draft_tokens=self.max_num_draft_tokens)
 
 
 def lossless_exact(dtype: torch.dtype) -> bool:

@@ -2,35 +2,40 @@
 
 Code edits, summaries and answers over a document repeat long runs of their context; proposing what
 followed the last n tokens where they occurred before costs no forward at all. Composed with a
-compressed-cache drafter (`--drafter ngram+snapkv`), each round takes the lookup's proposal when it
-is expected to pay more than drafting from the compressed cache, and drafts from the cache otherwise;
-both are verified the same way, so the output stays the full model's. The choice is per sequence, from
-the tokens each source's rounds emitted.
+compressed-cache drafter (`--drafter ngram+snapkv`), the planner takes the lookup's offer in a round
+where it is expected to pay more than drafting from the compressed cache (or a plain step); both are
+verified the same way, so the output stays the full model's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Generator
+from typing import ClassVar
 
 import torch
 
 from kvlab.errors import ConfigError
+from kvlab.generation.feed import Feed, RoundHost
+from kvlab.lossless.drafter import Drafter, Offer, Proposal, RoundState, drafters
 
 NGRAM_PREFIX = "ngram+"
 
 
+@drafters.register("prompt_lookup")
 @dataclasses.dataclass(frozen=True, slots=True)
-class PromptLookup:
-    """Settings of prompt-lookup drafting.
+class PromptLookup(Drafter):
+    """Drafts what followed the most recent earlier occurrence of the context's last n tokens (no forward).
 
     Attributes:
         max_ngram, min_ngram: Match the last n tokens for n from `max_ngram` down to `min_ngram`.
         num_draft_tokens: Tokens proposed per round at most.
     """
 
-    max_ngram: int = 3
-    min_ngram: int = 1
-    num_draft_tokens: int = 8
+    prior_acceptance: ClassVar[float] = 0.5
+    max_ngram: int = dataclasses.field(default=3, metadata={"help": "longest n-gram matched"})
+    min_ngram: int = dataclasses.field(default=1, metadata={"help": "shortest n-gram matched"})
+    num_draft_tokens: int = dataclasses.field(default=8, metadata={"help": "tokens proposed per round at most"})
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -38,6 +43,21 @@ class PromptLookup:
                               f"{self.max_ngram}")
         if self.num_draft_tokens < 1:
             raise ConfigError(f"prompt lookup must propose at least 1 token, got {self.num_draft_tokens}")
+
+    def offer(self, host: RoundHost, state: RoundState, limit: int) -> Offer | None:
+        """The continuation found now (none while a remote start's exact prefix is in transit, or where
+        the draft cache already predicted the next token)."""
+        if state.in_transit or state.draft_logits is not None:
+            return None
+        proposal = find_continuation(host.context_ids(), min(self.num_draft_tokens, limit), self)
+        return Offer(self, len(proposal), token_ids=proposal) if proposal else None
+
+    def draft(
+        self, host: RoundHost, state: RoundState, offer: Offer, num_tokens: int
+    ) -> Generator[Feed, torch.Tensor, Proposal]:
+        assert offer.token_ids is not None
+        yield from ()  # the tokens are known: no forward
+        return Proposal(offer.token_ids[:num_tokens])
 
 
 def split_drafter_name(name: str) -> tuple[PromptLookup | None, str]:
@@ -65,36 +85,3 @@ def find_continuation(context_ids: list[int], num_tokens: int, lookup: PromptLoo
             start = int(matches[-1, 0]) + size
             return context_ids[start : start + num_tokens]
     return []
-
-
-@dataclasses.dataclass(slots=True)
-class LookupChoice:
-    """One sequence's record of what each source's rounds emitted, to choose the next round's source.
-
-    The lookup's drafts are free, so its rounds cost one verify; a compressed-cache round also costs its
-    draft forwards. The lookup is taken while the tokens its rounds emit per verify beat the best rate
-    the compressed-cache controller expects (in tokens per verify-equivalent), and tried first until
-    its rounds were measured.
-
-    Attributes:
-        lookup: The settings.
-        decay: Weight of history in the average.
-        tokens_per_round: Average tokens a lookup round emitted (accepted drafts + 1); None until measured.
-        num_rounds: Rounds that drafted from the lookup.
-    """
-
-    lookup: PromptLookup
-    decay: float = 0.7
-    tokens_per_round: float | None = None
-    num_rounds: int = 0
-
-    def takes_lookup(self, cache_tokens_per_verify: float) -> bool:
-        """Whether a round whose lookup found a proposal should use it, given what a round drafting from
-        the compressed cache is expected to emit per verify-equivalent of time."""
-        return self.tokens_per_round is None or self.tokens_per_round >= cache_tokens_per_verify
-
-    def update(self, num_accepted_tokens: int) -> None:
-        emitted = num_accepted_tokens + 1.0
-        old = self.tokens_per_round
-        self.tokens_per_round = emitted if old is None else self.decay * old + (1 - self.decay) * emitted
-        self.num_rounds += 1

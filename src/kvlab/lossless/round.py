@@ -1,9 +1,9 @@
 """One lossless round of one sequence, top to bottom: draft, verify, accept and roll back.
 
-The same model drafts tokens from the compressed (draft) cache, one forward per token (or, with prompt
-lookup, the round takes what followed the context's last tokens before: `kvlab.lossless.prompt_lookup`,
-no forward at all); one forward
-over the pending tokens and the drafts on the full cache verifies them. The longest run of drafts the
+The planner (`kvlab.lossless.planner`) picks the round's drafter and length, or a plain step; the drafter
+proposes (the same model on the compressed cache, one forward per token, or prompt lookup, no forward:
+`kvlab.lossless.drafter`); one forward over the pending tokens and the drafts on the full cache
+verifies them. The longest run of drafts the
 full model agrees with is accepted (greedy) or kept by rejection sampling, and the full model's own
 next token follows. Both caches roll back to the accepted length, and the draft cache takes the exact
 KV of the accepted tokens from the verify forward in place of its own provisional KV. So greedy output
@@ -21,13 +21,14 @@ from collections.abc import Generator
 import torch
 
 from kvlab.cache import KVCache
-from kvlab.cache.tiers import request_loads
+from kvlab.cache.tiers import TieredKVLayer, request_loads
 from kvlab.generation.feed import Feed, LayerKV, RoundHost, Rounds
-from kvlab.generation.sampling import draw_tokens
 from kvlab.lossless.acceptance import accept_drafts
+from kvlab.lossless.compressed_cache import CompressedCacheDrafter
 from kvlab.lossless.config import LosslessConfig
-from kvlab.lossless.draft_length import DraftLengthController
-from kvlab.lossless.prompt_lookup import LookupChoice, find_continuation
+from kvlab.lossless.cost_model import SegmentShape
+from kvlab.lossless.drafter import Drafter, Proposal
+from kvlab.lossless.planner import Acceptance, RoundPlan, RoundPlanner
 from kvlab.lossless.remote_prefix import ExactPrefixInTransit
 from kvlab.lossless.stats import LosslessStats
 
@@ -40,37 +41,59 @@ class LosslessState:
         full: The verifier's exact KV (one row), or the exact prefix still in transit (a remote-prefix
             start: it becomes the full cache before the first verify).
         draft: The drafter's compressed KV (one row).
-        settings: The request's lossless settings (schedule, draft length, drafter).
-        controller: Chooses this sequence's draft lengths.
+        settings: The request's lossless settings (draft length, schedule, drafters).
+        planner: The engine's round planner (shared, not owned).
         pending: Tokens known to be right that the full cache does not hold yet (the last emitted
             token; after a remote-prefix start, the rest of the prompt too).
         draft_missing: How many trailing `pending` tokens the draft cache lacks (fed to it
             provisionally, then replaced by their exact KV after the verify).
-        draft_logits: [1, V] logits predicting the first draft token, when already computed.
-        stats: This sequence's rounds.
         totals: Every sequence's rounds (the engine's figures); shared, not owned.
-        lookup: Its prompt-lookup drafting, with what its rounds emitted (None without prompt lookup).
+        draft_logits: [1, V] logits predicting the first draft token, when already computed.
+        drafters: Its drafters (prompt lookup before the compressed cache, which comes last).
+        acceptance: Its acceptance per drafter name, per draft position.
+        stats: This sequence's rounds.
     """
 
     full: KVCache | ExactPrefixInTransit
     draft: KVCache
     settings: LosslessConfig
-    controller: DraftLengthController
+    planner: RoundPlanner
     pending: list[int]
     draft_missing: int
     totals: LosslessStats
     draft_logits: torch.Tensor | None = None
+    drafters: list[Drafter] = dataclasses.field(default_factory=list)
+    acceptance: dict[str, Acceptance] = dataclasses.field(default_factory=dict)
     stats: LosslessStats = dataclasses.field(default_factory=LosslessStats)
-    lookup: LookupChoice | None = None
 
-    def record_round(self, num_draft_tokens: int, num_accepted_tokens: int, looked_up: bool = False) -> None:
+    def __post_init__(self) -> None:
+        self.drafters = self.drafters or drafters_of(self.settings)
+        self.acceptance = self.acceptance or {drafter.name: self.planner.new_acceptance(drafter)
+                                              for drafter in self.drafters}
+
+    @property
+    def in_transit(self) -> bool:
+        """A remote-prefix start whose exact prefix has not been verified against yet."""
+        return isinstance(self.full, ExactPrefixInTransit)
+
+    def full_shape(self, num_tokens: int) -> SegmentShape:
+        """The full cache's segment when it is fed `num_tokens` (what a plain step or a verify reads)."""
+        assert isinstance(self.full, KVCache)
+        tiered = isinstance(self.full.layers[0], TieredKVLayer)
+        return SegmentShape(num_tokens, self.full.seq_lengths[0], self.full.nbytes() if tiered else 0)
+
+    def record_round(self, plan: RoundPlan, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        looked_up = plan.source == "prompt_lookup"
         self.totals.record_round(num_draft_tokens, num_accepted_tokens, looked_up)
         self.stats.record_round(num_draft_tokens, num_accepted_tokens, looked_up)
-        if looked_up:
-            assert self.lookup is not None
-            self.lookup.update(num_accepted_tokens)
-        else:
-            self.controller.update(num_draft_tokens, num_accepted_tokens)
+        self.planner.round_done(self, plan, num_draft_tokens, num_accepted_tokens)
+
+
+def drafters_of(settings: LosslessConfig) -> list[Drafter]:
+    """The drafters a sequence's planner chooses from each round: prompt lookup (with `ngram+`), then the
+    compressed cache."""
+    cache = CompressedCacheDrafter(settings.draft_weights)
+    return [cache] if settings.prompt_lookup is None else [settings.prompt_lookup, cache]
 
 
 def lossless_rounds(host: RoundHost, state: LosslessState) -> Rounds:
@@ -87,15 +110,12 @@ def lossless_round(host: RoundHost, state: LosslessState) -> Generator[Feed, tor
     state.draft.set_provisional(True)
     if state.settings.schedule == "staggered" and isinstance(state.full, KVCache):
         request_loads(state.full)  # the full KV's load overlaps the drafting
-    looked_up = _lookup_proposal(host, state)
-    if looked_up:
-        draft_token_ids, draft_probs, num_fed = looked_up, None, 0
-    else:
-        in_transit = isinstance(state.full, ExactPrefixInTransit)
-        controller = state.controller
-        planned = controller.transit_num_draft_tokens() if in_transit else controller.next_num_draft_tokens()
-        num_planned = max(min(planned, host.remaining() - 1), 0)
-        draft_token_ids, draft_probs, num_fed = yield from _draft_from_cache(host, state, num_planned)
+    plan = state.planner.plan(host, state)
+    proposal = Proposal([])
+    if plan.offer is not None:
+        proposal = yield from plan.offer.drafter.draft(host, state, plan.offer, plan.num_draft_tokens)
+    state.draft_logits = None  # they predicted this round's first draft only
+    draft_token_ids = proposal.token_ids
 
     # Verify: the pending tokens and the drafts in one forward on the full cache.
     if isinstance(state.full, ExactPrefixInTransit):
@@ -111,9 +131,9 @@ def lossless_round(host: RoundHost, state: LosslessState) -> Generator[Feed, tor
     probs = None
     if not host.config.greedy:
         vocab = target_logits.shape[-1]
-        # A looked-up draft was proposed with certainty: its distribution is one-hot.
-        probs = torch.nn.functional.one_hot(draft_ids[0], vocab).float() if draft_probs is None else (
-            torch.stack(draft_probs) if draft_probs else target_logits.new_empty(0, vocab))
+        # A draft proposed with certainty (prompt lookup) has a one-hot distribution.
+        probs = torch.nn.functional.one_hot(draft_ids[0], vocab).float() if proposal.probs is None else (
+            torch.stack(proposal.probs) if proposal.probs else target_logits.new_empty(0, vocab))
         probs = probs[None]
     num_accepted, next_token = accept_drafts(draft_ids, probs, target_logits[None], host.config, host.generator)
     accepted = int(num_accepted[0])
@@ -122,51 +142,9 @@ def lossless_round(host: RoundHost, state: LosslessState) -> Generator[Feed, tor
     # what it was fed this round and takes the same tokens' exact KV from the verify forward.
     state.full.drop_last(len(draft_token_ids) - accepted)
     state.draft.set_provisional(False)
-    state.draft.drop_last(num_fed)
+    state.draft.drop_last(proposal.num_fed)
     begin, end = len(state.pending) - state.draft_missing, len(state.pending) + accepted
     state.draft.append([(keys[:, :, begin:end], values[:, :, begin:end]) for keys, values in captured], [end - begin])
-    state.record_round(len(draft_token_ids), accepted, looked_up=bool(looked_up))
+    state.record_round(plan, len(draft_token_ids), accepted)
     state.pending, state.draft_missing = [int(next_token[0])], 1
     return draft_token_ids[:accepted] + state.pending
-
-
-def _lookup_proposal(host: RoundHost, state: LosslessState) -> list[int]:
-    """The prompt lookup's drafts for this round, when it has some and they are expected to pay more
-    than drafting from the compressed cache (or standing aside); [] otherwise."""
-    choice = state.lookup
-    if choice is None or isinstance(state.full, ExactPrefixInTransit) or state.draft_logits is not None:
-        return []
-    if not state.controller.drafting_allowed():
-        return []
-    proposal = find_continuation(host.context_ids(), min(choice.lookup.num_draft_tokens, host.remaining() - 1),
-                                 choice.lookup)
-    cache_tokens_per_verify = state.controller.expected_rate() * state.controller.costs.verify_s
-    return proposal if proposal and choice.takes_lookup(cache_tokens_per_verify) else []
-
-
-def _draft_from_cache(
-    host: RoundHost, state: LosslessState, num_planned: int
-) -> Generator[Feed, torch.Tensor, tuple[list[int], list[torch.Tensor], int]]:
-    """Draft `num_planned` tokens, one forward per token on the draft cache (the first also feeds the
-    pending tokens it lacks); returns the drafts, their distributions (sampling) and the tokens fed."""
-    draft_token_ids: list[int] = []
-    draft_probs: list[torch.Tensor] = []
-    num_fed = 0
-    logits, state.draft_logits = state.draft_logits, None
-    while True:
-        if logits is not None and len(draft_token_ids) < num_planned:
-            token, distribution = draw_tokens(logits, host.config, host.generator)
-            draft_token_ids.append(int(token[0]))
-            if distribution is not None:
-                draft_probs.append(distribution[0])
-        if len(draft_token_ids) >= num_planned or _prefix_landed(state, draft_token_ids):
-            return draft_token_ids, draft_probs, num_fed
-        missing = state.draft_missing if num_fed == 0 else 0
-        feed = state.pending[len(state.pending) - missing :] if missing else [draft_token_ids[-1]]
-        logits = yield Feed(state.draft, feed, drafting=True)
-        num_fed += len(feed)
-
-
-def _prefix_landed(state: LosslessState, draft_token_ids: list[int]) -> bool:
-    """A remote-prefix start verifies as soon as its exact prefix has landed and one draft is in."""
-    return isinstance(state.full, ExactPrefixInTransit) and state.full.landed() and bool(draft_token_ids)

@@ -14,8 +14,7 @@ class LosslessStats:
     Attributes:
         rounds: Verify passes, one per sequence per round.
         num_plain_rounds: Rounds that drafted nothing, a plain step on the full cache: the sequence
-            stood aside (under `auto`, drafting was not expected to pay, or the run's drafting gate
-            had timed plain steps faster) or had one token left.
+            stood aside (under `auto`, the planner expected a plain step to pay more) or had one token left.
         num_lookup_rounds, num_lookup_accepted_tokens: Rounds whose drafts came from prompt lookup
             (`ngram+` drafters), and how many of those drafts were accepted.
         num_draft_tokens: Tokens drafted, all sequences together.
@@ -28,10 +27,13 @@ class LosslessStats:
         verify_s: Seconds of forwards that verified (draft segments packed into them included).
         kv_load_s: Seconds verify forwards waited for the full KV to arrive from its tier.
         num_draft_tokens_per_round: Draft length of every round, in order.
-        drafting_closed_ticks: Engine ticks the run's drafting gate kept drafting closed (the engine's
-            figures only; `kvlab.lossless.gate`).
-        drafting_verdicts: The gate's verdicts in order, True where drafting was timed faster than plain
-            steps (the engine's figures only).
+        num_plans: Rounds the planner planned per source ("plain", "compressed_cache", "prompt_lookup"),
+            the engine's figures only.
+        cost_model_ticks: Ticks the cost model predicted before seeing them (the engine's figures only).
+        cost_model_mre: Mean relative error of those predictions, |predicted - measured| / measured, per
+            tick, the tiers' waits excluded (None before any tick was compared).
+        cost_model_coefficients: The fit per set of weights: seconds of a forward's fixed part, per token,
+            per thousand keys read and per hundred thousand query-key pairs (`kvlab.lossless.cost_model`).
     """
 
     rounds: int = 0
@@ -47,8 +49,10 @@ class LosslessStats:
     verify_s: float = 0.0
     kv_load_s: float = 0.0
     num_draft_tokens_per_round: list[int] = dataclasses.field(default_factory=list)
-    drafting_closed_ticks: int = 0
-    drafting_verdicts: list[bool] = dataclasses.field(default_factory=list)
+    num_plans: dict[str, int] = dataclasses.field(default_factory=dict)
+    cost_model_ticks: int = 0
+    cost_model_mre: float | None = None
+    cost_model_coefficients: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     def record_round(self, num_draft_tokens: int, num_accepted_tokens: int, looked_up: bool = False) -> None:
         """Add one round of one sequence (`looked_up`: its drafts came from prompt lookup)."""

@@ -81,7 +81,7 @@ class RequestStats:
         num_draft_tokens, num_accepted_tokens, rounds, acceptance_length: Lossless rounds (vLLM's
             definitions: acceptance length counts the bonus token); zero in other modes.
         num_plain_rounds: Lossless rounds that drafted nothing (the sequence stood aside, the engine's
-            drafting gate had drafting closed, or one token was left).
+            planner expected a plain step to pay more, or one token was left).
     """
 
     mode: Mode

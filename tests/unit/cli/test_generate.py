@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvlab.cli import main
-from kvlab.engine import engine as engine_module
+from kvlab.engine import tick as engine_module
 from kvlab.lossless import config as lossless_config
 from tests.helpers import tiny_llama
 

@@ -15,7 +15,7 @@ from kvlab.bench import BenchConfig, parse_method, run_benchmark, runner
 from kvlab.bench.results import PREDICTIONS_FILE, read_predictions
 from kvlab.compress import create_compressor
 from kvlab.engine import Engine, Request, generate, generate_lossless
-from kvlab.engine import engine as engine_module
+from kvlab.engine import tick as engine_module
 from kvlab.engine.sequence import Sequence
 from kvlab.generation import GenerationConfig, reference_generate
 from kvlab.lossless import LosslessConfig

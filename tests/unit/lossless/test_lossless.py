@@ -10,7 +10,6 @@ from kvlab.engine import generate_lossless
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, reference_generate
 from kvlab.lossless import LosslessConfig, greedy_accept, rejection_sample
-from kvlab.lossless.draft_length import DraftLengthController, StepCosts
 from kvlab.models import LoadedModel
 from tests.helpers import tiny_llama
 
@@ -129,23 +128,6 @@ def test_sampled_speculative_decoding_is_seeded() -> None:
     first = generate_lossless(loaded, _prompts(40), config, spec).requests[0].token_ids
     again = generate_lossless(loaded, _prompts(40), config, spec).requests[0].token_ids
     assert first == again and len(first) == 25
-
-
-def test_adaptive_draft_length_grows_with_acceptance_and_shrinks_without() -> None:
-    costs = StepCosts()
-    for _ in range(3):
-        costs.observe(0.04, num_draft_segments=4, full_segment_tokens=[])  # 10 ms per draft segment
-        costs.observe(0.14, num_draft_segments=4, full_segment_tokens=[9])  # 100 ms per verify
-    assert costs.draft_s == pytest.approx(0.01) and costs.verify_s == pytest.approx(0.1)
-    controller = DraftLengthController(costs, initial_num_draft_tokens=8, max_num_draft_tokens=64)
-    assert controller.next_num_draft_tokens() == 8
-    for _ in range(6):
-        controller.update(8, 8)
-    long = controller.next_num_draft_tokens()
-    poor = DraftLengthController(costs, initial_num_draft_tokens=8, max_num_draft_tokens=64)
-    for _ in range(6):
-        poor.update(8, 0)
-    assert long >= 24 and poor.next_num_draft_tokens() <= 2
 
 
 @pytest.mark.parametrize("draft_length", [0, -3, "many"])

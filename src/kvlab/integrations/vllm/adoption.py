@@ -20,7 +20,7 @@ from kvlab.cache import ForwardStep, KVCache, run_step
 from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
 from kvlab.integrations.vllm.handover import LayerKV, StepHandover
-from kvlab.integrations.vllm.sources import SourceRecord
+from kvlab.integrations.vllm.sources import RowRecord
 from kvlab.models import LoadedModel
 from kvlab.models.draft_weights import DraftWeights
 from kvlab.timing import Stopwatch
@@ -62,7 +62,7 @@ class DraftSequence:
     cache: KVCache
     token_ids: np.ndarray
     last_kv: tuple[torch.Tensor, torch.Tensor] | None = None
-    sources: SourceRecord = dataclasses.field(default_factory=SourceRecord)
+    sources: RowRecord = dataclasses.field(default_factory=RowRecord)
 
 
 @dataclasses.dataclass(slots=True)
@@ -73,7 +73,8 @@ class ProposerStats:
     prompt; `prefill_s` prefills prompts the hand-over did not bring; `draft_s` runs the packed draft
     forwards (catch-up tokens included: `num_catch_up_tokens` counts every token fed before the
     first draft, one per row with the hand-over). The rest of `total_s` is bookkeeping.
-    `num_draft_tokens` counts the compressed cache's drafts, `num_lookup_draft_tokens` prompt lookup's.
+    `num_draft_tokens` counts the compressed cache's drafts, `num_lookup_draft_tokens` prompt lookup's;
+    `num_plain_rows` the rows that proposed nothing (no round was expected to beat their plain step).
     """
 
     num_calls: int = 0
@@ -87,6 +88,7 @@ class ProposerStats:
     num_draft_forwards: int = 0
     num_lookup_rounds: int = 0
     num_lookup_draft_tokens: int = 0
+    num_plain_rows: int = 0
     handover_s: float = 0.0
     adopt_s: float = 0.0
     prefill_s: float = 0.0

@@ -16,8 +16,10 @@ come with their request ids and vLLM's pages (`kvlab.integrations.vllm.handover`
 - the tokens vLLM accepted reach the draft cache from the pages, not from a catch-up forward;
 - draft caches are kept by request id and freed when vLLM says the request finished;
 - the draft forwards of all rows run packed: one forward per draft position reads the weights once;
-- with an `ngram+<compressor>` drafter, a row proposes its prompt lookup's continuation (no forward)
-  when that is expected to emit more tokens per second than the compressed cache (`sources.py`).
+- each step, kvlab's planner chooses for every row together (`sources.py`): its prompt lookup's
+  continuation (no forward, with an `ngram+<compressor>` drafter), a round from the compressed cache of
+  the length that pays most (the rows drafting together split each draft forward, costed by kvlab's
+  fitted cost model), or nothing, where no round is expected to beat the row's plain step.
 
 Without the connector (or where it cannot hand over: several KV cache groups, an unmapped page
 layout) the proposer says so once and works from token ids alone: it prefills each new sequence
@@ -48,7 +50,8 @@ from kvlab.errors import ConfigError
 from kvlab.integrations.vllm.adoption import DraftSequence, HandoverMismatch, ProposerStats, SequenceBuilder
 from kvlab.integrations.vllm.handover import BOARD, LayerKV, StepHandover, engine_key
 from kvlab.integrations.vllm.model import served_model, transformers_model
-from kvlab.integrations.vllm.sources import DraftCosts, running_mean
+from kvlab.integrations.vllm.sources import CACHE, LOOKUP, StepCosts, plan_rows, running_mean
+from kvlab.lossless.cost_model import SegmentShape
 from kvlab.lossless.prompt_lookup import PromptLookup, find_continuation, split_drafter_name
 from kvlab.models import LoadedModel
 from kvlab.models.draft_weights import DRAFT_WEIGHTS, DraftWeights, draft_model
@@ -112,7 +115,7 @@ class KVLabDraftProposer:
         self.by_prefix: list[DraftSequence] = []
         self.untrusted: set[str] = set()
         self.stats = ProposerStats()
-        self.costs = DraftCosts()
+        self.costs = StepCosts(self.draft_weights)
         self._since_propose: Stopwatch | None = None
         self._said_no_handover = False
 
@@ -245,25 +248,32 @@ class KVLabDraftProposer:
         return best
 
     def _draft(self, sequences: list[DraftSequence], histories: list[np.ndarray]) -> list[list[int]]:
-        """Each row's drafts: its prompt lookup's where that is expected to pay more, the compressed
-        cache's otherwise."""
-        drafts: list[list[int] | None] = [None] * len(sequences)
+        """Each row's drafts, as kvlab's planner chose them for the whole step (`sources.plan_rows`)."""
         k = self.num_speculative_tokens
-        for index, (sequence, history) in enumerate(zip(sequences, histories, strict=True)):
-            proposal = find_continuation(history.tolist(), k, self.lookup) if self.lookup is not None else []
-            if proposal and sequence.sources.takes_lookup(self.costs, k):
-                drafts[index], sequence.sources.pending = proposal, "lookup"
+        lookups = [find_continuation(history.tolist(), k, self.lookup) if self.lookup is not None else []
+                   for history in histories]
+        cached = [int(sequence.cache.layers[0].lengths[0]) for sequence in sequences]  # type: ignore[attr-defined]
+        plans = plan_rows([sequence.sources for sequence in sequences], lookups, cached, k, self.costs)
+        drafts: list[list[int]] = [[] for _ in sequences]
+        for index, (plan, lookup) in enumerate(zip(plans, lookups, strict=True)):
+            if plan.source == LOOKUP:
+                drafts[index] = lookup[: plan.num_draft_tokens]
                 self.stats.num_lookup_rounds += 1
-                self.stats.num_lookup_draft_tokens += len(proposal)
-        cache_rows = [index for index, drafted in enumerate(drafts) if drafted is None]
-        from_cache = self._draft_from_caches([sequences[i] for i in cache_rows], [histories[i] for i in cache_rows])
+                self.stats.num_lookup_draft_tokens += len(drafts[index])
+        cache_rows = [index for index, plan in enumerate(plans) if plan.source == CACHE]
+        from_cache = self._draft_from_caches([sequences[i] for i in cache_rows], [histories[i] for i in cache_rows],
+                                             [plans[i].num_draft_tokens for i in cache_rows])
         for index, drafted in zip(cache_rows, from_cache, strict=True):
-            drafts[index], sequences[index].sources.pending = drafted, "cache"
-        return [drafted or [] for drafted in drafts]
+            drafts[index] = drafted
+        for sequence, plan, drafted in zip(sequences, plans, drafts, strict=True):
+            sequence.sources.pending = (plan.source, len(drafted)) if plan.source is not None and drafted else None
+        self.stats.num_plain_rows += sum(plan.source is None for plan in plans)
+        return drafts
 
-    def _draft_from_caches(self, sequences: list[DraftSequence], histories: list[np.ndarray]) -> list[list[int]]:
-        """Feed each history's tokens its cache lacks, draft greedily (one packed forward per draft
-        position for every row), then drop the drafts' KV again."""
+    def _draft_from_caches(self, sequences: list[DraftSequence], histories: list[np.ndarray],
+                           lengths: list[int]) -> list[list[int]]:
+        """Feed each history's tokens its cache lacks, draft `lengths[row]` greedy tokens (one packed forward
+        per draft position for the rows still drafting), then drop the drafts' KV again."""
         if not sequences:
             return []
         assert self.model is not None
@@ -282,12 +292,14 @@ class KVLabDraftProposer:
         for cache in caches:
             cache.set_provisional(True)
         try:
-            for _ in range(self.num_speculative_tokens - 1):
-                next_tokens = self._packed_argmax(model, sequences, [[tokens[-1]] for tokens in drafted])
-                for tokens, token in zip(drafted, next_tokens, strict=True):
-                    tokens.append(token)
-            for cache in caches:
-                cache.drop_last(self.num_speculative_tokens - 1)
+            for position in range(1, max(lengths)):
+                rows = [row for row, length in enumerate(lengths) if length > position]
+                next_tokens = self._packed_argmax(model, [sequences[row] for row in rows],
+                                                  [[drafted[row][-1]] for row in rows])
+                for row, token in zip(rows, next_tokens, strict=True):
+                    drafted[row].append(token)
+            for cache, length in zip(caches, lengths, strict=True):
+                cache.drop_last(length - 1)
         finally:
             for cache in caches:
                 cache.set_provisional(False)
@@ -306,10 +318,12 @@ class KVLabDraftProposer:
         segments = [Segment(sequence.cache, len(feed), layer_kv)
                     for sequence, feed, layer_kv in zip(sequences, feeds, kept, strict=True)]
         ends = np.cumsum([len(feed) for feed in feeds]) - 1
+        shapes = [SegmentShape(len(feed), sequence.cache.layers[0].lengths[0])  # type: ignore[attr-defined]
+                  for sequence, feed in zip(sequences, feeds, strict=True)]
         clock = Stopwatch(self.model.device if self.model is not None else "cpu")
         with torch.inference_mode():
             logits = run_packed(model, segments, feeds, ends.tolist())
-        self.costs.draft_forward_s = running_mean(self.costs.draft_forward_s, clock.elapsed())
+        self.costs.draft.observe_tick([(self.draft_weights, shapes, clock.elapsed())])
         self.stats.num_draft_forwards += 1
         return logits.argmax(dim=-1).tolist()
 

@@ -1,0 +1,91 @@
+"""One decoding tick: every running sequence's next feed, packed into one forward per set of weights.
+
+Forwards on a drafter's own weights (bf16, int8, int4) run first, then the served weights' forward
+with every verify, plain step and same-weight draft. Each forward's seconds, less what it waited for
+a slower tier, go to the planner's cost model with the shapes of its segments; a failing forward
+fails the sequences it carried, and a failure in one sequence's own work fails that sequence alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvlab.engine.figures import RunFigures
+from kvlab.engine.runner import group_by_model, pack, run_batch
+from kvlab.engine.sequence import Sequence, Status
+from kvlab.lossless.cost_model import SegmentShape
+from kvlab.lossless.planner import RoundPlanner
+
+Fail = Callable[[Sequence, BaseException], None]
+
+
+class Decoder:
+    """Runs ticks over the running sequences.
+
+    Args:
+        target: The served weights.
+        weight_sets: Every set of weights by name ("same" is `target`; a drafter's copies by their name).
+        planner: The rounds' planner (its cost model observes each forward; its batch view is updated).
+        figures: The run's figures.
+        tier_wait_s: Seconds forwards have waited for slower tiers so far (all tiers together).
+    """
+
+    def __init__(self, target: torch.nn.Module, weight_sets: dict[str, torch.nn.Module], planner: RoundPlanner,
+                 figures: RunFigures, tier_wait_s: Callable[[], float]) -> None:
+        self.target = target
+        self.weight_sets = weight_sets
+        self.planner = planner
+        self.figures = figures
+        self.tier_wait_s = tier_wait_s
+
+    def tick(self, running: list[Sequence], fail: Fail) -> tuple[list[Sequence], bool]:
+        """One tick over `running`; returns the sequences whose rounds ended (they stopped), and whether a
+        lossless sequence verified (its draft cache then grew by the exact KV the verify handed it)."""
+        for sequence in running:
+            try:
+                sequence.prime()
+            except Exception as error:  # one request's failure is that request's alone
+                fail(sequence, error)
+        running = [sequence for sequence in running if sequence.status is Status.RUNNING]
+        owners = {id(sequence.feed): sequence for sequence in running}
+        feeds = [(self._model_for(sequence), sequence.feed) for sequence in running if sequence.feed is not None]
+        lossless = any(sequence.lossless is not None for sequence in running)
+        self.planner.batch.num_running = len(running)
+        observed: list[tuple[str, list[SegmentShape], float]] = []
+        verified = False
+        for model, group in group_by_model(feeds, self.target):  # type: ignore[arg-type]
+            batch = pack(model, group)
+            shapes = [SegmentShape(segment.num_tokens, segment.cache.layers[0].lengths[0])  # type: ignore[attr-defined]
+                      for segment in batch.segments]
+            waited = self.tier_wait_s()
+            try:
+                logits, seconds = run_batch(batch, model.device)  # type: ignore[arg-type]
+            except Exception as error:  # the forward's sequences fail, the others go on
+                for feed in batch.feeds:
+                    fail(owners[id(feed)], error)
+                continue
+            if lossless:
+                observed.append((self._weights_of(model), shapes, max(seconds - (self.tier_wait_s() - waited), 0.0)))
+                self.figures.forward(seconds, verifying=len(batch.feeds) > batch.num_drafting)
+            for feed, feed_logits in zip(batch.feeds, logits, strict=True):
+                sequence = owners[id(feed)]
+                verified |= sequence.lossless is not None and not feed.drafting
+                try:
+                    sequence.advance(feed_logits)
+                except Exception as error:  # one request's failure is that request's alone
+                    fail(sequence, error)
+        if observed:
+            self.planner.costs.observe_tick(observed)
+        stopped = [sequence for sequence in running if sequence.status is Status.RUNNING and sequence.feed is None]
+        return stopped, verified
+
+    def _model_for(self, sequence: Sequence) -> torch.nn.Module:
+        feed, lossless = sequence.feed, sequence.request.lossless
+        if feed is not None and feed.drafting and lossless is not None:
+            return self.weight_sets[lossless.draft_weights]
+        return self.target
+
+    def _weights_of(self, model: torch.nn.Module) -> str:
+        return next((name for name, weights in self.weight_sets.items() if weights is model), "same")

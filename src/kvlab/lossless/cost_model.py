@@ -1,0 +1,191 @@
+"""What a packed forward costs on this machine: a linear model fitted to the forwards the engine runs.
+
+A forward on one set of weights `w` packs segments i = 1..n; segment i feeds q_i tokens after the
+T_i tokens its cache holds, so its attention reads T_i + q_i keys with q_i queries. It takes
+
+    seconds = c0[w] + c1[w] * sum q_i + c2[w] * sum (T_i + q_i) / 1e3 + c3[w] * sum q_i (T_i + q_i) / 1e5
+              + the wait for any full KV held on a slower tier
+
+- c0: reading the weights once (and the forward's fixed host work), shared by every segment;
+- c1: the linear layers' work per token;
+- c2: attention reading each segment's keys and values once (per thousand keys);
+- c3: attention's arithmetic, per query and key (a verify's extra queries; per hundred thousand).
+
+The tier's part is not fitted: a full KV on a slower tier moves over one link at a known rate (an
+emulated link's rate is declared; another tier's is measured by its loader), so reading it costs its
+bytes over that rate. Fitting uses each forward's seconds less the time it waited for the tier.
+
+Each weight set's coefficients are a least-squares fit with exponential forgetting (`forgetting`
+per forward, so the fit follows a machine whose speed drifts), regularised by a small ridge towards
+zero so that collinear features (a batch of one-token steps) stay bounded, and kept non-negative. A
+forward is predicted before it is folded in, so the reported error is out of sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+# Feature units: thousands of keys, hundreds of thousands of query-key pairs (keeps the system well scaled).
+KEYS_UNIT = 1e3
+PAIRS_UNIT = 1e5
+NUM_FEATURES = 4
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SegmentShape:
+    """What one segment of a forward feeds and reads.
+
+    Attributes:
+        num_tokens: q, tokens it feeds.
+        num_cached: T, tokens its cache holds before the forward (stored ones: a compressed cache's kept).
+        tier_bytes: Bytes of full KV it reads over a slower tier's link (0 in memory).
+    """
+
+    num_tokens: int
+    num_cached: int
+    tier_bytes: int = 0
+
+
+def features(segments: list[SegmentShape]) -> list[float]:
+    """[1, tokens, keys / KEYS_UNIT, query-key pairs / PAIRS_UNIT] of a forward over `segments`."""
+    tokens = sum(s.num_tokens for s in segments)
+    keys = sum(s.num_cached + s.num_tokens for s in segments)
+    pairs = sum(s.num_tokens * (s.num_cached + s.num_tokens) for s in segments)
+    return [1.0, float(tokens), keys / KEYS_UNIT, pairs / PAIRS_UNIT]
+
+
+def marginal_features(segment: SegmentShape, num_sharing: float) -> list[float]:
+    """One segment's share of a forward it shares with `num_sharing` segments (itself included): an equal
+    part of the fixed cost, all of its own work."""
+    own = features([segment])
+    return [1.0 / max(num_sharing, 1.0), *own[1:]]
+
+
+@dataclasses.dataclass(slots=True)
+class LinearFit:
+    """Least squares with forgetting and a ridge, over forwards of one set of weights.
+
+    Attributes:
+        forgetting: Weight of the past per new forward (0..1].
+        ridge: Added to the normal equations' diagonal (keeps collinear features bounded).
+        gram: [4, 4] float64 sum of x x^T, forgotten geometrically.
+        moments: [4] float64 sum of x y.
+        num_observed: Forwards folded in.
+        coefficients: [4] the current fit (seconds per unit of each feature).
+    """
+
+    forgetting: float = 0.98
+    ridge: float = 1e-4
+    gram: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(NUM_FEATURES, NUM_FEATURES,
+                                                                                 dtype=torch.float64))
+    moments: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(NUM_FEATURES, dtype=torch.float64))
+    num_observed: int = 0
+    coefficients: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(NUM_FEATURES,
+                                                                                        dtype=torch.float64))
+
+    def predict(self, x: list[float]) -> float:
+        return float(torch.dot(self.coefficients, torch.tensor(x, dtype=torch.float64)))
+
+    def observe(self, x: list[float], seconds: float) -> None:
+        row = torch.tensor(x, dtype=torch.float64)
+        self.gram.mul_(self.forgetting).add_(torch.outer(row, row))
+        self.moments.mul_(self.forgetting).add_(row * seconds)
+        self.num_observed += 1
+        self.coefficients = self._solve()
+
+    def _solve(self) -> torch.Tensor:
+        """Non-negative least squares by elimination: solve, drop the most negative coefficient, repeat."""
+        active = list(range(NUM_FEATURES))
+        solution = torch.zeros(NUM_FEATURES, dtype=torch.float64)
+        while active:
+            index = torch.tensor(active)
+            gram = self.gram[index][:, index] + self.ridge * torch.eye(len(active), dtype=torch.float64)
+            partial = torch.linalg.solve(gram, self.moments[index])
+            if bool((partial >= 0).all()):
+                solution[index] = partial
+                return solution
+            del active[int(partial.argmin())]
+        return solution
+
+
+@dataclasses.dataclass(slots=True)
+class CostFit:
+    """How well the model predicted the forwards it was shown, each predicted before it was folded in.
+
+    Attributes:
+        num_ticks: Ticks compared (after each weight set's first `warm_up` forwards).
+        mean_relative_error: Mean of |predicted - measured| / measured over those ticks.
+        predicted_s, measured_s: Their total seconds (the tier's waits excluded from both).
+    """
+
+    num_ticks: int = 0
+    mean_relative_error: float = 0.0
+    predicted_s: float = 0.0
+    measured_s: float = 0.0
+
+    def add(self, predicted: float, measured: float) -> None:
+        if measured <= 0:
+            return
+        error = abs(predicted - measured) / measured
+        self.num_ticks += 1
+        self.mean_relative_error += (error - self.mean_relative_error) / self.num_ticks
+        self.predicted_s += predicted
+        self.measured_s += measured
+
+
+@dataclasses.dataclass(slots=True)
+class ForwardCostModel:
+    """Predicted seconds of packed forwards and of one segment's share of them (see the module docstring).
+
+    Attributes:
+        fits: One `LinearFit` per set of weights (keyed "same", "bf16", "int8", "int4").
+        link_bytes_per_s: The tier link's rate, when the full KV lives on a slower tier.
+        fit: The out-of-sample record of every tick.
+        warm_up: Forwards of a weight set not compared (nor fitted): the first ones pay one-off set-ups.
+    """
+
+    fits: dict[str, LinearFit] = dataclasses.field(default_factory=dict)
+    link_bytes_per_s: float | None = None
+    fit: CostFit = dataclasses.field(default_factory=CostFit)
+    warm_up: int = 1
+    _seen: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def ready(self, weights: str) -> bool:
+        """Whether forwards on `weights` have been fitted at all."""
+        return weights in self.fits and self.fits[weights].num_observed > 0
+
+    def forward_s(self, weights: str, segments: list[SegmentShape]) -> float:
+        """Predicted compute seconds of one forward (the tier's wait excluded)."""
+        fit = self.fits.get(weights)
+        return 0.0 if fit is None else fit.predict(features(segments))
+
+    def share_s(self, weights: str, segment: SegmentShape, num_sharing: float) -> float:
+        """Predicted compute seconds one segment adds to a forward it shares with `num_sharing` segments."""
+        fit = self.fits.get(weights)
+        return 0.0 if fit is None else fit.predict(marginal_features(segment, num_sharing))
+
+    def link_s(self, num_bytes: int) -> float:
+        """Seconds `num_bytes` of full KV take over the tier's link (0 in memory)."""
+        return num_bytes / self.link_bytes_per_s if num_bytes and self.link_bytes_per_s else 0.0
+
+    def observe_tick(self, forwards: list[tuple[str, list[SegmentShape], float]], compare: bool = True) -> None:
+        """Fold in one tick's forwards: (weights, segments, compute seconds with the tier's wait taken out).
+
+        The tick's prediction is compared first (unless `compare` is False: a calibration), when every
+        weight set in it is past its warm-up."""
+        compared = compare and all(self._seen.get(weights, 0) >= self.warm_up and self.ready(weights)
+                       for weights, _, _ in forwards)
+        if compared and forwards:
+            predicted = sum(self.forward_s(weights, segments) for weights, segments, _ in forwards)
+            self.fit.add(predicted, sum(seconds for _, _, seconds in forwards))
+        for weights, segments, seconds in forwards:
+            seen = self._seen.get(weights, 0)
+            self._seen[weights] = seen + 1
+            if seen >= self.warm_up:
+                self.fits.setdefault(weights, LinearFit()).observe(features(segments), seconds)
+
+    def coefficients(self) -> dict[str, list[float]]:
+        """Each weight set's fitted [c0, c1, c2, c3] (seconds per feature unit)."""
+        return {weights: [float(c) for c in fit.coefficients] for weights, fit in self.fits.items()}

@@ -1,0 +1,317 @@
+"""The round planner: each lossless round, which drafter and how many tokens, or a plain step, for goodput.
+
+A round that drafts k tokens and verifies them emits E(k) = 1 + sum_{j<=k} a_1 ... a_j tokens, a_i
+being the chance the i-th draft is accepted given the ones before it were (this sequence's own, per
+source and position: `Acceptance`). It costs its share of the forwards it runs, from the fitted cost
+model (`kvlab.lossless.cost_model`):
+
+    round_s(k) = k * draft_s + verify_s(k) + link_s      (staggered: max(k * draft_s, link_s) + verify_s(k))
+    plain_s    = step_s + link_s
+
+where a share is an equal part of its forward's fixed cost (the weights' read, split among the
+segments that forward packs: every running sequence for the served weights, the sequences drafting
+with a cheaper copy for theirs) plus the segment's own work, and `link_s` is its full KV over a
+slower tier's link (0 in memory). The planner takes the source and k with the most tokens per second,
+E(k) / round_s(k), or a plain step (k = 0) where 1 / plain_s is more: summed over a batch, each
+sequence taking its best share is what maximizes the batch's tokens per second (goodput).
+
+Exploration is in the estimate, not in timed windows. Whether to draft at all is decided with each
+a_i at its posterior mean plus `optimism` standard deviations; the length with the plain means. So
+where only the optimistic estimate says a source pays, the round is a short probe (the means make
+long rounds dear), and evidence ages while a source is not used, so a source that stopped being tried
+grows uncertain until such a probe is worth its expected cost again. A new sequence starts from what
+the run's rounds of the same drafter accepted so far (the drafter's own prior before any). A fixed
+draft length (`num_draft_tokens=k`) only leaves the choice of source.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from kvlab.generation.feed import RoundHost
+from kvlab.lossless.cost_model import ForwardCostModel, SegmentShape
+from kvlab.lossless.drafter import Drafter, Offer, RoundState
+
+logger = logging.getLogger(__name__)
+
+# A remote-prefix start drafts while its exact prefix is in transit: the wait is paid anyway, so the
+# round drafts up to this many tokens (or its fixed length) and verifies once the prefix has landed.
+TRANSIT_NUM_DRAFT_TOKENS = 8
+MAX_TRACE = 256
+
+
+class RoundSettings(Protocol):
+    """The settings a plan reads (`kvlab.lossless.config.LosslessConfig`)."""
+
+    @property
+    def num_draft_tokens(self) -> int | str: ...
+
+    @property
+    def max_num_draft_tokens(self) -> int: ...
+
+    @property
+    def schedule(self) -> str: ...
+
+
+class PlannedState(RoundState, Protocol):
+    """What the planner reads of a lossless sequence (`kvlab.lossless.round.PlannedState`)."""
+
+    drafters: list[Drafter]
+    acceptance: dict[str, Acceptance]
+
+    @property
+    def settings(self) -> RoundSettings: ...
+
+    def full_shape(self, num_tokens: int) -> SegmentShape: ...
+
+
+@dataclasses.dataclass(slots=True)
+class Acceptance:
+    """One source's acceptance per draft position, for one sequence.
+
+    Attributes:
+        prior: Acceptance of a draft given the ones before it were, before any evidence.
+        prior_weight: How many drafts' worth of evidence the prior counts for.
+        reached: reached[i]: rounds whose draft i was drafted with drafts 0..i-1 all accepted (aged).
+        accepted: accepted[i]: of those, rounds whose draft i was accepted (aged).
+        aging: Evidence kept per round this source is not used (uncertainty grows while it is aside).
+        shrinkage: How many drafts' worth a position's estimate leans on the pooled one.
+    """
+
+    prior: float
+    prior_weight: float = 2.0
+    reached: list[float] = dataclasses.field(default_factory=list)
+    accepted: list[float] = dataclasses.field(default_factory=list)
+    aging: float = 0.95
+    shrinkage: float = 2.0
+
+    def pooled(self) -> tuple[float, float]:
+        """(mean, evidence): acceptance over every position, with the prior counted in."""
+        evidence = sum(self.reached) + self.prior_weight
+        return (sum(self.accepted) + self.prior * self.prior_weight) / evidence, evidence
+
+    def expected_tokens(self, max_tokens: int, optimism: float) -> list[float]:
+        """[max_tokens + 1] tokens a round of k drafts emits on average, for k = 0..max_tokens (the
+        verify's own token included), with each a_i raised by `optimism` standard deviations."""
+        mean, evidence = self.pooled()
+        expected, survive = [1.0], 1.0
+        for position in range(max_tokens):
+            reached = self.reached[position] if position < len(self.reached) else 0.0
+            accepted = self.accepted[position] if position < len(self.accepted) else 0.0
+            weight = reached + self.shrinkage
+            estimate = (accepted + self.shrinkage * mean) / weight
+            spread = math.sqrt(estimate * (1.0 - estimate) / (weight + 1.0))
+            survive *= min(estimate + optimism * spread, 0.999)
+            expected.append(expected[-1] + survive)
+        return expected
+
+    def update(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """Fold in one round that drafted `num_draft_tokens` of this source."""
+        reached = min(num_accepted_tokens + 1, num_draft_tokens)
+        while len(self.reached) < reached:
+            self.reached.append(0.0)
+            self.accepted.append(0.0)
+        for position in range(reached):
+            self.reached[position] += 1.0
+            self.accepted[position] += position < num_accepted_tokens
+
+    def age(self) -> None:
+        """A round that did not use this source: its evidence counts a little less."""
+        self.reached = [count * self.aging for count in self.reached]
+        self.accepted = [count * self.aging for count in self.accepted]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RoundPlan:
+    """A round's decision.
+
+    Attributes:
+        offer: The drafter's offer taken (None: a plain step, drafting nothing).
+        num_draft_tokens: Tokens to draft (0 with no offer).
+        expected_tokens: Tokens the round is expected to emit.
+        expected_s: Seconds of forwards the round is expected to cost this sequence.
+        plain_s: What a plain step would cost this sequence instead.
+    """
+
+    offer: Offer | None
+    num_draft_tokens: int
+    expected_tokens: float
+    expected_s: float
+    plain_s: float
+
+    @property
+    def source(self) -> str:
+        return "plain" if self.offer is None else self.offer.drafter.name
+
+
+@dataclasses.dataclass(slots=True)
+class BatchView:
+    """What the planner knows of the batch it plans in: sequences running, and those drafting now with
+    weights of their own (they leave the served weights' forward for another one)."""
+
+    num_running: int = 1
+    drafting: dict[int, str] = dataclasses.field(default_factory=dict)  # id(state) -> weights
+
+    def num_sharing(self, weights: str, state: PlannedState) -> int:
+        """Segments expected in the forward `state`'s segment on `weights` would join (itself included)."""
+        others = {key: value for key, value in self.drafting.items() if key != id(state)}
+        if weights == "same":
+            return max(self.num_running - sum(w != "same" for w in others.values()), 1)
+        return 1 + sum(w == weights for w in others.values())
+
+
+@dataclasses.dataclass(slots=True)
+class RoundPlanner:
+    """Plans every lossless round of an engine (see the module docstring).
+
+    Attributes:
+        costs: The engine's fitted cost model.
+        batch: The batch as of the last tick.
+        optimism: Standard deviations added to each acceptance estimate (exploration).
+        trace: The last MAX_TRACE decisions, for `--json` and debugging.
+        num_plans: Rounds planned per source ("plain" for plain steps).
+    """
+
+    costs: ForwardCostModel
+    batch: BatchView = dataclasses.field(default_factory=BatchView)
+    optimism: float = 1.0
+    trace: collections.deque[dict[str, Any]] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=MAX_TRACE))
+    num_plans: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    run_acceptance: dict[str, Acceptance] = dataclasses.field(default_factory=dict)
+
+    def new_acceptance(self, drafter: Drafter) -> Acceptance:
+        """A new sequence's acceptance record of `drafter`: its prior is what the run's rounds of that
+        drafter accepted so far (the drafter's own prior before any)."""
+        run = self.run_acceptance.setdefault(drafter.name, Acceptance(drafter.prior_acceptance))
+        return Acceptance(run.pooled()[0])
+
+    def round_done(self, state: PlannedState, plan: RoundPlan, num_draft_tokens: int,
+                   num_accepted_tokens: int) -> None:
+        """`state`'s round is verified: it no longer holds a draft forward, and its acceptance counts."""
+        self.batch.drafting.pop(id(state), None)
+        if plan.offer is not None and num_draft_tokens:
+            name = plan.offer.drafter.name
+            state.acceptance[name].update(num_draft_tokens, num_accepted_tokens)
+            self.run_acceptance.setdefault(name, Acceptance(plan.offer.drafter.prior_acceptance)).update(
+                num_draft_tokens, num_accepted_tokens)
+
+    def plan(self, host: RoundHost, state: PlannedState) -> RoundPlan:
+        """The next round of `state`: the offer and length with the most expected tokens per second."""
+        settings = state.settings
+        limit = max(min(settings.max_num_draft_tokens, host.remaining() - 1), 0)
+        fixed = None if settings.num_draft_tokens == "auto" else int(settings.num_draft_tokens)
+        if state.in_transit:
+            length = min(fixed or TRANSIT_NUM_DRAFT_TOKENS, max(host.remaining() - 1, 1))
+            offer = state.drafters[-1].offer(host, state, length)
+            return self._taken(state, RoundPlan(offer, length if offer else 0, 0.0, 0.0, 0.0))
+        if fixed is not None:
+            limit = min(limit, fixed)
+        plain_s = self._plain_s(state)
+        best = RoundPlan(None, 0, 1.0, plain_s, plain_s)
+        for drafter in state.drafters:
+            offer = drafter.offer(host, state, limit)
+            if offer is None:
+                continue
+            candidate = self._best_length(state, offer, plain_s, fixed)
+            if candidate is None:
+                continue
+            if fixed is not None and best.offer is None or _rate(candidate) > _rate(best):
+                best = candidate
+        for drafter in state.drafters:
+            if best.offer is None or drafter is not best.offer.drafter:
+                state.acceptance[drafter.name].age()
+        return self._taken(state, best)
+
+    def _taken(self, state: PlannedState, plan: RoundPlan) -> RoundPlan:
+        self.num_plans[plan.source] += 1
+        if plan.offer is not None and plan.offer.weights is not None and plan.num_draft_tokens:
+            self.batch.drafting[id(state)] = plan.offer.weights
+        decision = {"source": plan.source, "k": plan.num_draft_tokens,
+                    "expected_tokens": round(plan.expected_tokens, 2),
+                    "expected_ms": round(plan.expected_s * 1e3, 2), "plain_ms": round(plan.plain_s * 1e3, 2),
+                    "running": self.batch.num_running}
+        self.trace.append(decision)
+        logger.debug("round plan: %s", decision)
+        return plan
+
+    def _plain_s(self, state: PlannedState) -> float:
+        full = state.full_shape(len(state.pending))
+        return self.costs.share_s("same", full, self.batch.num_sharing("same", state)) + \
+            self.costs.link_s(full.tier_bytes)
+
+    def _best_length(self, state: PlannedState, offer: Offer, plain_s: float, fixed: int | None) -> RoundPlan | None:
+        """The offer's best length (its only one when `fixed`), or None where it offers nothing."""
+        if offer.max_tokens < 1:
+            return None
+        draft_s = 0.0
+        if offer.weights is not None:
+            draft = SegmentShape(1, offer.num_cached)
+            draft_s = self.costs.share_s(offer.weights, draft, self.batch.num_sharing(offer.weights, state))
+        overlapped = state.settings.schedule == "staggered"
+        sharing = self.batch.num_sharing("same", state)
+
+        def round_s(length: int) -> float:
+            verify = state.full_shape(len(state.pending) + length)
+            link_s, drafting_s = self.costs.link_s(verify.tier_bytes), length * draft_s
+            return (max(drafting_s, link_s) if overlapped else drafting_s + link_s) + \
+                self.costs.share_s("same", verify, sharing)
+
+        lengths = [min(fixed, offer.max_tokens)] if fixed is not None else range(1, offer.max_tokens + 1)
+        choice = choose_length(state.acceptance[offer.drafter.name], lengths, round_s, plain_s,
+                               self.optimism if fixed is None else 0.0)
+        return RoundPlan(offer, choice.num_draft_tokens, choice.expected_tokens, choice.seconds, plain_s)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LengthChoice:
+    """A drafter's best length: its expected tokens and seconds (a probe's tokens are the optimistic ones)."""
+
+    num_draft_tokens: int
+    expected_tokens: float
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.expected_tokens / max(self.seconds, 1e-9)
+
+
+def choose_length(acceptance: Acceptance, lengths: Iterable[int], round_s: Callable[[int], float], plain_s: float,
+                  optimism: float) -> LengthChoice:
+    """The length with the most expected tokens per second by the acceptance's means; where only the
+    optimistic estimate (`optimism` standard deviations) beats a plain step of `plain_s`, that length as a
+    probe, credited with its optimistic rate.
+
+    Args:
+        acceptance: The source's acceptance per draft position.
+        lengths: The lengths allowed (at least one, each >= 1).
+        round_s: Seconds a round of that many drafts costs (drafting, verify, link).
+        plain_s: Seconds a plain step costs instead.
+        optimism: Standard deviations added to each acceptance for the probe test (0: none).
+    """
+    lengths = list(lengths)
+    means = acceptance.expected_tokens(max(lengths), 0.0)
+    hopes = acceptance.expected_tokens(max(lengths), optimism)
+    best: LengthChoice | None = None
+    best_hope = 0.0
+    for length in lengths:
+        seconds = max(round_s(length), 1e-9)
+        candidate = LengthChoice(length, means[length], seconds)
+        if best is None or candidate.rate > best.rate:
+            best = candidate
+        best_hope = max(best_hope, hopes[length] / seconds)
+    assert best is not None, "choose_length needs at least one length"
+    if best.rate * plain_s < 1.0 <= best_hope * plain_s:
+        best = LengthChoice(best.num_draft_tokens, best_hope * best.seconds, best.seconds)
+    return best
+
+
+def _rate(plan: RoundPlan) -> float:
+    return plan.expected_tokens / max(plan.expected_s, 1e-9)
+
+

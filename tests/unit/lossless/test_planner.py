@@ -1,0 +1,249 @@
+"""The round planner and its cost model: the model recovers known costs, the planner takes plain steps where
+drafting cannot pay and drafts where it does, at batch 1 and 8, and whatever it decides the output is the
+plain output."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Generator
+
+import pytest
+import torch
+
+from kvlab.compress import create_compressor
+from kvlab.engine import Engine, Request
+from kvlab.generation import GenerationConfig, reference_generate
+from kvlab.generation.feed import Feed, RoundHost
+from kvlab.lossless import LosslessConfig, PromptLookup
+from kvlab.lossless import round as round_module
+from kvlab.lossless.cost_model import ForwardCostModel, LinearFit, SegmentShape, features
+from kvlab.lossless.drafter import Drafter, Offer, Proposal
+from kvlab.lossless.planner import Acceptance
+from kvlab.lossless.round import LosslessState
+from tests.helpers import tiny_llama
+from tests.unit.lossless.test_lossless import DRAFTERS, _prompts
+from tests.unit.lossless.test_prompt_lookup import repetitive_prompt
+
+
+def test_the_fit_recovers_known_coefficients_from_synthetic_ticks() -> None:
+    truth = torch.tensor([0.020, 0.0005, 0.004, 0.003], dtype=torch.float64)
+    fit = LinearFit(forgetting=1.0, ridge=1e-9)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        num_segments = int(torch.randint(1, 9, (1,), generator=generator))
+        segments = [SegmentShape(int(torch.randint(1, 18, (1,), generator=generator)),
+                                 int(torch.randint(0, 8192, (1,), generator=generator))) for _ in range(num_segments)]
+        x = features(segments)
+        fit.observe(x, float(torch.dot(truth, torch.tensor(x, dtype=torch.float64))))
+    torch.testing.assert_close(fit.coefficients, truth, rtol=1e-4, atol=1e-7)
+
+
+def test_the_fit_keeps_coefficients_non_negative() -> None:
+    fit = LinearFit()
+    for tokens in (1, 9, 17):
+        fit.observe(features([SegmentShape(tokens, 1000)]), 0.05 - 0.001 * tokens)  # fewer seconds with more tokens
+    assert bool((fit.coefficients >= 0).all()), fit.coefficients
+
+
+def test_the_model_reports_its_out_of_sample_error_and_skips_warm_up() -> None:
+    model = ForwardCostModel(warm_up=1)
+    shape = [SegmentShape(1, 100)]
+    model.observe_tick([("same", shape, 5.0)])  # a first forward's set-ups: neither fitted nor compared
+    assert not model.ready("same") and model.fit.num_ticks == 0
+    for _ in range(5):
+        model.observe_tick([("same", shape, 0.1)])
+    assert model.fit.num_ticks == 4 and model.forward_s("same", shape) == pytest.approx(0.1, rel=0.05)
+    assert model.fit.mean_relative_error < 0.3
+    model.link_bytes_per_s = 2e9
+    assert model.link_s(10**9) == pytest.approx(0.5) and model.link_s(0) == 0.0
+
+
+def test_expected_tokens_follow_acceptance_per_position() -> None:
+    sure = Acceptance(0.5)
+    for _ in range(50):
+        sure.update(4, 4)
+    expected = sure.expected_tokens(4, optimism=0.0)
+    assert expected[0] == 1.0 and expected[4] > 4.5
+    never = Acceptance(0.5)
+    for _ in range(50):
+        never.update(4, 0)
+    assert never.expected_tokens(4, optimism=0.0)[4] < 1.1
+    # Evidence ages while a source is aside: the optimistic estimate grows until a round is worth a try.
+    before = never.expected_tokens(2, optimism=1.0)[2]
+    for _ in range(60):
+        never.age()
+    assert never.expected_tokens(2, optimism=1.0)[2] > before + 0.2
+
+
+@dataclasses.dataclass(slots=True)
+class ScriptedCosts(ForwardCostModel):
+    """Costs that ignore measurements: draft forwards cost `draft_s` per segment share (after `dear_calls`
+    calls, `cheap_draft_s`), a full-cache step `step_s` plus `verify_token_s` per extra token."""
+
+    draft_s: float = 0.05
+    cheap_draft_s: float = 0.05
+    dear_calls: int = 0
+    step_s: float = 0.05
+    verify_token_s: float = 0.001
+    calls: int = 0
+
+    def ready(self, weights: str) -> bool:
+        return True
+
+    def share_s(self, weights: str, segment: SegmentShape, num_sharing: float) -> float:
+        self.calls += 1
+        if segment.num_cached < 0:
+            raise AssertionError
+        return self.step_s + self.verify_token_s * (segment.num_tokens - 1)
+
+    def observe_tick(self, forwards: list[tuple[str, list[SegmentShape], float]], compare: bool = True) -> None:
+        return None
+
+
+@dataclasses.dataclass(slots=True)
+class DraftCosts(ScriptedCosts):
+    """Scripted costs where a forward on draft weights (not the served ones) costs its own price."""
+
+    def share_s(self, weights: str, segment: SegmentShape, num_sharing: float) -> float:
+        self.calls += 1
+        if weights != "same":
+            return self.cheap_draft_s if self.calls > self.dear_calls else self.draft_s
+        return self.step_s + self.verify_token_s * (segment.num_tokens - 1)
+
+
+def _run(prompts: list[list[int]], config: GenerationConfig, lossless: LosslessConfig,
+         costs: ForwardCostModel) -> tuple[Engine, list[int]]:
+    engine = Engine(tiny_llama(num_kv_heads=2))
+    engine.planner.costs = costs
+    ids = [engine.add_request(Request(prompt, config, lossless=lossless)) for prompt in prompts]
+    while engine.has_work():
+        engine.step()
+    return engine, ids
+
+
+class ScriptedDrafter(Drafter):
+    """Proposes the tokens of `script` that follow the context (a token never emitted past its end), priced
+    as draft forwards on bf16 weights though none runs: drafts always right, or always wrong."""
+
+    name = "scripted"  # type: ignore[assignment]
+
+    def __init__(self, script: dict[int, list[int]], wrong_token: int) -> None:
+        self.script, self.wrong_token = script, wrong_token
+
+    def offer(self, host: RoundHost, state: LosslessState, limit: int) -> Offer | None:
+        return Offer(self, limit, weights="bf16", num_cached=0) if limit else None
+
+    def draft(self, host: RoundHost, state: LosslessState, offer: Offer,
+              num_tokens: int) -> Generator[Feed, torch.Tensor, Proposal]:
+        yield from ()
+        context = host.context_ids()
+        for prompt_length, continuation in self.script.items():
+            if context[:prompt_length] == self.prompts[prompt_length]:
+                done = len(context) - prompt_length
+                ahead = continuation[done : done + num_tokens]
+                return Proposal(ahead + [self.wrong_token] * (num_tokens - len(ahead)))
+        return Proposal([self.wrong_token] * num_tokens)
+
+    prompts: dict[int, list[int]] = {}
+
+
+def _scripted(prompts: list[list[int]], config: GenerationConfig, right: bool) -> ScriptedDrafter:
+    expected = reference_generate(tiny_llama(num_kv_heads=2), prompts, config)
+    emitted = {token for request in expected.requests for token in request.token_ids}
+    wrong = min(set(range(3, 96)) - emitted)
+    drafter = ScriptedDrafter({len(p): r.token_ids for p, r in zip(prompts, expected.requests, strict=True)}
+                              if right else {}, wrong)
+    drafter.prompts = {len(prompt): prompt for prompt in prompts}
+    return drafter
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_the_planner_takes_plain_steps_when_drafts_are_never_accepted(
+    batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompts = [_prompts(60 + row)[0] for row in range(batch)]
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    drafter = _scripted(prompts, config, right=False)
+    monkeypatch.setattr(round_module, "drafters_of", lambda settings: [drafter])
+    lossless = LosslessConfig(create_compressor("streamingllm", budget=4), "auto")
+    costs = DraftCosts(draft_s=0.03, cheap_draft_s=0.03, step_s=0.05)
+    engine, ids = _run(prompts, config, lossless, costs)
+    expected = reference_generate(engine.loaded, prompts, config)
+    rounds = 0
+    for index, request_id in enumerate(ids):
+        assert engine.output(request_id).token_ids == expected.requests[index].token_ids
+        stats = engine.round_stats(request_id)
+        assert stats is not None
+        rounds += stats.rounds
+        # A few short probes at most: the evidence that drafting does not pay holds it off.
+        assert stats.num_plain_rounds >= 0.75 * stats.rounds, stats.num_draft_tokens_per_round
+    assert engine.planner.num_plans["plain"] >= 0.75 * rounds
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_the_planner_drafts_long_when_drafts_are_always_accepted_and_cheap(
+    batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompts = [_prompts(60 + row)[0] for row in range(batch)]
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    drafter = _scripted(prompts, config, right=True)
+    monkeypatch.setattr(round_module, "drafters_of", lambda settings: [drafter])
+    lossless = LosslessConfig(create_compressor("streamingllm", budget=4), "auto")
+    costs = DraftCosts(draft_s=0.005, cheap_draft_s=0.005, step_s=0.05)
+    engine, ids = _run(prompts, config, lossless, costs)
+    expected = reference_generate(engine.loaded, prompts, config)
+    for index, request_id in enumerate(ids):
+        assert engine.output(request_id).token_ids == expected.requests[index].token_ids
+        stats = engine.round_stats(request_id)
+        assert stats is not None and stats.num_plain_rounds <= 1  # only a last round with one token left
+        # Every draft accepted: the rounds grow (the first is short: the drafter's prior is only a prior).
+        assert stats.acceptance_length > 5 and max(stats.num_draft_tokens_per_round) >= 8, \
+            stats.num_draft_tokens_per_round
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+def test_every_decision_keeps_the_plain_output_for_every_drafter(name: str) -> None:
+    """Drafting dear then cheap, with prompt lookup composed: the planner goes through plain steps, lookup
+    rounds and compressed-cache rounds, sequences of different lengths joining and leaving mid-round."""
+    prompts = [repetitive_prompt(70), _prompts(50)[0], _prompts(64)[0]]
+    configs = [GenerationConfig(max_new_tokens=n, ignore_eos=True) for n in (60, 23, 41)]
+    lossless = LosslessConfig(create_compressor(name, **DRAFTERS[name]), "auto",  # type: ignore[arg-type]
+                              draft_weights="bf16", prompt_lookup=PromptLookup())
+    engine = Engine(tiny_llama(num_kv_heads=2))
+    engine.planner.costs = DraftCosts(draft_s=0.2, cheap_draft_s=0.001, dear_calls=300, step_s=0.05)
+    ids = []
+    for index, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
+        ids.append(engine.add_request(Request(prompt, config, lossless=lossless)))
+        for _ in range(3 * index):  # the later ones join while the first ones are mid-round
+            engine.step()
+    while engine.has_work():
+        engine.step()
+    for request_id, prompt, config in zip(ids, prompts, configs, strict=True):
+        expected = reference_generate(engine.loaded, [prompt], config).requests[0].token_ids
+        assert engine.output(request_id).token_ids == expected, f"{name} request {request_id}"
+    plans = engine.planner.num_plans
+    assert plans["plain"] > 0 and plans["compressed_cache"] > 0 and plans["prompt_lookup"] > 0, plans
+
+
+def test_a_fixed_draft_length_is_kept_however_dear_drafting_is() -> None:
+    prompt = _prompts(60)[0]
+    config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    lossless = LosslessConfig(create_compressor("streamingllm", budget=4), 3)
+    engine, ids = _run([prompt], config, lossless, DraftCosts(draft_s=1.0, cheap_draft_s=1.0))
+    stats = engine.round_stats(ids[0])
+    assert stats is not None
+    assert set(stats.num_draft_tokens_per_round[:-1]) <= {3} and 3 in stats.num_draft_tokens_per_round
+
+
+def test_the_engine_reports_the_cost_models_fit() -> None:
+    config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    lossless = LosslessConfig(create_compressor("snapkv", **DRAFTERS["snapkv"]), "auto",  # type: ignore[arg-type]
+                              draft_weights="bf16")
+    engine = Engine(tiny_llama(num_kv_heads=2))
+    engine.add_request(Request(_prompts(60)[0], config, lossless=lossless))
+    while engine.has_work():
+        engine.step()
+    _, stats = engine.finish_stats()
+    assert stats.cost_model_ticks > 0 and stats.cost_model_mre is not None
+    assert set(stats.cost_model_coefficients) == {"same", "bf16"}
+    assert sum(stats.num_plans.values()) == stats.rounds
