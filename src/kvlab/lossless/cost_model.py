@@ -84,9 +84,11 @@ class LinearFit:
     num_observed: int = 0
     coefficients: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(NUM_FEATURES,
                                                                                         dtype=torch.float64))
+    _values: list[float] = dataclasses.field(default_factory=lambda: [0.0] * NUM_FEATURES)
 
     def predict(self, x: list[float]) -> float:
-        return float(torch.dot(self.coefficients, torch.tensor(x, dtype=torch.float64)))
+        # Plain floats: the planner predicts dozens of shapes per round, a tensor op each would cost more.
+        return sum(c * v for c, v in zip(self._values, x, strict=True))
 
     def observe(self, x: list[float], seconds: float) -> None:
         row = torch.tensor(x, dtype=torch.float64)
@@ -94,6 +96,7 @@ class LinearFit:
         self.moments.mul_(self.forgetting).add_(row * seconds)
         self.num_observed += 1
         self.coefficients = self._solve()
+        self._values = self.coefficients.tolist()
 
     def _solve(self) -> torch.Tensor:
         """Non-negative least squares by elimination: solve, drop the most negative coefficient, repeat."""

@@ -16,10 +16,11 @@ E(k) / round_s(k), or a plain step (k = 0) where 1 / plain_s is more: summed ove
 sequence taking its best share is what maximizes the batch's tokens per second (goodput).
 
 Exploration is in the estimate, not in timed windows. Whether to draft at all is decided with each
-a_i at its posterior mean plus `optimism` standard deviations; the length with the plain means. So
-where only the optimistic estimate says a source pays, the round is a short probe (the means make
-long rounds dear), and evidence ages while a source is not used, so a source that stopped being tried
-grows uncertain until such a probe is worth its expected cost again. A new sequence starts from what
+a_i at its posterior mean plus `optimism` standard deviations; the length with half that optimism. So
+where only the optimistic estimate says a source pays, the round is a short probe (the lengths lean
+only a little), evidence ages while a source is not used (and a position while no round reaches it),
+so a source that stopped being tried grows uncertain until such a probe is worth its expected cost
+again. A new sequence starts from what
 the run's rounds of the same drafter accepted so far (the drafter's own prior before any). A fixed
 draft length (`num_draft_tokens=k`) only leaves the choice of source.
 """
@@ -119,6 +120,11 @@ class Acceptance:
         for position in range(reached):
             self.reached[position] += 1.0
             self.accepted[position] += position < num_accepted_tokens
+        for position in range(reached, len(self.reached)):
+            # Positions this round did not reach age, so one early rejection there does not hold the
+            # round lengths down for good: they return towards the pooled estimate.
+            self.reached[position] *= self.aging
+            self.accepted[position] *= self.aging
 
     def age(self) -> None:
         """A round that did not use this source: its evidence counts a little less."""
@@ -256,9 +262,12 @@ class RoundPlanner:
         overlapped = state.settings.schedule == "staggered"
         sharing = self.batch.num_sharing("same", state)
 
+        full = state.full_shape(len(state.pending))  # once: a verify adds only its drafts to it
+        link_s = self.costs.link_s(full.tier_bytes)
+
         def round_s(length: int) -> float:
-            verify = state.full_shape(len(state.pending) + length)
-            link_s, drafting_s = self.costs.link_s(verify.tier_bytes), length * draft_s
+            verify = SegmentShape(full.num_tokens + length, full.num_cached, full.tier_bytes)
+            drafting_s = length * draft_s
             return (max(drafting_s, link_s) if overlapped else drafting_s + link_s) + \
                 self.costs.share_s("same", verify, sharing)
 
@@ -283,9 +292,9 @@ class LengthChoice:
 
 def choose_length(acceptance: Acceptance, lengths: Iterable[int], round_s: Callable[[int], float], plain_s: float,
                   optimism: float) -> LengthChoice:
-    """The length with the most expected tokens per second by the acceptance's means; where only the
-    optimistic estimate (`optimism` standard deviations) beats a plain step of `plain_s`, that length as a
-    probe, credited with its optimistic rate.
+    """The length with the most expected tokens per second (each acceptance raised by half of `optimism`
+    standard deviations), credited with its mean; where only the optimistic estimate (`optimism` standard
+    deviations) beats a plain step of `plain_s`, that length as a probe, credited with its optimistic rate.
 
     Args:
         acceptance: The source's acceptance per draft position.
@@ -296,14 +305,15 @@ def choose_length(acceptance: Acceptance, lengths: Iterable[int], round_s: Calla
     """
     lengths = list(lengths)
     means = acceptance.expected_tokens(max(lengths), 0.0)
+    leaning = acceptance.expected_tokens(max(lengths), optimism / 2)
     hopes = acceptance.expected_tokens(max(lengths), optimism)
     best: LengthChoice | None = None
-    best_hope = 0.0
+    best_leaning, best_hope = 0.0, 0.0
     for length in lengths:
         seconds = max(round_s(length), 1e-9)
-        candidate = LengthChoice(length, means[length], seconds)
-        if best is None or candidate.rate > best.rate:
-            best = candidate
+        # The length leans a little optimistic (half the optimism), so positions rarely reached get tried.
+        if best is None or leaning[length] / seconds > best_leaning:
+            best, best_leaning = LengthChoice(length, means[length], seconds), leaning[length] / seconds
         best_hope = max(best_hope, hopes[length] / seconds)
     assert best is not None, "choose_length needs at least one length"
     if best.rate * plain_s < 1.0 <= best_hope * plain_s:

@@ -347,6 +347,9 @@ class ServeEngine:
         self.metrics.running.set(self.engine.num_running())
         self.metrics.set_waiting(engine=incoming + self.engine.num_unfinished() - self.engine.num_running())
         self.metrics.fetching.set(self.engine.num_fetching())
+        fit = self.engine.planner.costs.fit
+        self.metrics.cost_model_ticks.set(fit.num_ticks)
+        self.metrics.cost_model_error.set(fit.mean_relative_error)
 
 
 def _failed_event(request_id: int, error: BaseException | None, output: RequestOutput) -> FailedEvent | None:

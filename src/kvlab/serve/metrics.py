@@ -67,6 +67,11 @@ class ServeMetrics:
         self.num_accepted_tokens = counter("kvlab:spec_decode_num_accepted_tokens", "Drafted tokens accepted.")
         # vLLM's meaning: proposals made. A round that stood aside (drafted nothing) is a plain step.
         self.num_drafts = counter("kvlab:spec_decode_num_drafts", "Draft/verify rounds that drafted a token.")
+        self.cost_model_error = gauge(
+            "kvlab:cost_model_mean_relative_error",
+            "The round planner's cost model: mean |predicted - measured| / measured seconds per tick (lossless).",
+        )
+        self.cost_model_ticks = gauge("kvlab:cost_model_ticks", "Ticks the cost model predicted before seeing them.")
         self.ttft = histogram("kvlab:time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
         self.itl = histogram(
             "kvlab:inter_token_latency_seconds",

@@ -221,3 +221,12 @@ def test_rounds_that_draft_nothing_are_not_counted_as_drafts(client: TestClient)
     reply = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "kvlab": {"mode": "lossless"}})
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
     assert drafts() == before
+
+
+def test_metrics_report_the_planners_cost_model_fit(client: TestClient) -> None:
+    reply = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "kvlab": {"mode": "lossless"}})
+    assert reply.status_code == 200
+    text = client.get("/metrics").text
+    samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples["kvlab:cost_model_ticks"] > 0, "a lossless request's ticks were not predicted"
+    assert 0.0 <= samples["kvlab:cost_model_mean_relative_error"] < 10.0
