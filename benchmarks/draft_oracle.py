@@ -21,8 +21,10 @@ prompt loses its closing instruction); `--contexts` defaults to the whole prompt
 
 Order: per context and full-KV tier, each drafter's caches are prefilled once and every run decodes from
 copies of them (the table compares decoding only). Runs go plain; drafter 1 (`auto`, then each fixed length);
-plain; drafter 2 ...; plain. A drafter's baseline is the mean of the two plain runs just before and after its
-runs (both rates are kept in the JSON), so the machine's drift between drafters does not bias its ratios.
+plain; drafter 2 ...; plain. With `--repeats R` each drafter's settings run R times, the order reversed on
+every other repeat (auto first, then last) with plain between repeats, and each setting's rate is the mean
+of its runs. A drafter's baseline is the mean of the plain runs just before, between and after its runs
+(the first and last are kept in the JSON), so the machine's drift does not bias its ratios.
 Every lossless run's tokens must equal the first plain run's (`identical`; a mismatch is printed loudly).
 
 Oracle: per drafter, the best decode tok/s in hindsight among plain decoding (the baseline) and the
@@ -158,12 +160,13 @@ class Run:
 
 
 def drafter_record(where: dict[str, Any], label: str, plain: tuple[Run, Run, Run], auto: Run,
-                   fixed: dict[int, Run]) -> dict[str, Any]:
+                   fixed: dict[int, Run], between: tuple[Run, ...] = ()) -> dict[str, Any]:
     """One table row as a JSON record. `plain` is (the first plain run, whose tokens every run must equal,
-    the plain run just before the drafter's, the one just after). Every printed figure is kept as printed
-    (ratios to 2 decimals) so the table row is found within this one record."""
+    the plain run just before the drafter's, the one just after); `between` the plain runs between its
+    repeats. Every printed figure is kept as printed (ratios to 2 decimals) so the table row is found
+    within this one record."""
     reference, before, after = plain
-    baseline = (before.rate + after.rate) / 2
+    baseline = (before.rate + sum(run.rate for run in between) + after.rate) / (2 + len(between))
     oracle, oracle_rate = hindsight_oracle(baseline, {length: run.rate for length, run in fixed.items()})
     stats = auto.stats
     assert stats is not None, "the auto run is lossless"
@@ -250,6 +253,13 @@ def decode(loaded: LoadedModel, prompts: list[list[int]], setting: tuple, prefil
     return Run(output.stats.decode_tokens_per_s, [request.token_ids for request in output.requests], stats)
 
 
+def mean_run(runs: list[Run]) -> Run:
+    """One run standing for repeats of a setting: their mean rate; the first's tokens (each repeat's tokens
+    are the same, or `identical` says otherwise) and statistics; the other repeats' tokens are checked."""
+    tokens = runs[0].tokens if all(run.tokens == runs[0].tokens for run in runs) else []
+    return Run(sum(run.rate for run in runs) / len(runs), tokens, runs[0].stats)
+
+
 def report_mismatches(record: dict[str, Any]) -> None:
     for setting, same in record["identical_by_setting"].items():
         if not same:
@@ -278,10 +288,22 @@ def measure_tier(loaded: LoadedModel, prompts: list[list[int]], where: dict[str,
     records = []
     for spec in drafters:
         prefilled = prefills[spec.cache_key]
-        auto = timed(spec.setting("auto"), prefilled)
-        fixed = {length: timed(spec.setting(length), prefilled) for length in args.lengths}
+        first_plain = plain_runs[-1]
+        settings: list[int | str] = ["auto", *args.lengths]
+        runs: dict[int | str, list[Run]] = {setting: [] for setting in settings}
+        for repeat in range(args.repeats):
+            # Repeats alternate the order (auto first, then last), so drift within a block is shared alike.
+            for setting in settings if repeat % 2 == 0 else settings[::-1]:
+                runs[setting].append(timed(spec.setting(setting), prefilled))
+            if repeat < args.repeats - 1:
+                plain_runs.append(timed(PLAIN, plain_prefill))
         plain_runs.append(timed(PLAIN, plain_prefill))
-        record = drafter_record(where, spec.label, (plain_runs[0], plain_runs[-2], plain_runs[-1]), auto, fixed)
+        auto = mean_run(runs["auto"])
+        fixed = {length: mean_run(runs[length]) for length in args.lengths}
+        block = plain_runs[plain_runs.index(first_plain):]
+        record = drafter_record(where, spec.label, (plain_runs[0], block[0], block[-1]), auto, fixed,
+                                between=tuple(block[1:-1]))
+        record["repeats"] = args.repeats
         report_mismatches(record)
         records.append(record)
     if any(run.tokens != plain_runs[0].tokens for run in plain_runs):
@@ -326,6 +348,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--drafters", type=parse_drafter, nargs="+", default=[parse_drafter(spec)
                         for spec in DEFAULT_DRAFTERS], help=f"drafter specs: {SPEC_FORM}")
     parser.add_argument("--lengths", type=int, nargs="+", default=DEFAULT_LENGTHS, help="fixed draft lengths")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each setting, alternating their order (rates are averaged)")
     parser.add_argument("--json", type=Path, help="also write the run and its rows to this JSON file")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file or model directory")
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")

@@ -87,11 +87,13 @@ class TierSpec:
 
 @dataclasses.dataclass(slots=True)
 class TierStats:
-    """What a tier's reads cost: `bytes_read` loaded into fast memory, `wait_s` forwards spent waiting."""
+    """What a tier's reads cost: `bytes_read` loaded into fast memory in `load_s` of loading, `wait_s`
+    forwards spent waiting."""
 
     bytes_read: int = 0
     loads: int = 0
     wait_s: float = 0.0
+    load_s: float = 0.0
 
 
 class TieredKVLayer(FullKVLayer):
@@ -125,8 +127,9 @@ class TieredKVLayer(FullKVLayer):
             self.pending[row] = self.loader.submit(self._load, row, self.slots[row], self.lengths[row])
 
     def _load(self, row: int, slot: int, length: int) -> None:
+        clock = Stopwatch()
         moved = self.storage.load(slot, length, self.keys[row, :, :length], self.values[row, :, :length])
-        self.loader.record(moved)
+        self.loader.record(moved, clock.elapsed())
 
     def _await(self, rows: list[int], consume: bool) -> None:
         for row in rows:
@@ -197,10 +200,20 @@ class TierLoader:
         assert self._executor is not None, "a memory tier loads nothing"
         return self._executor.submit(function, *args)
 
-    def record(self, moved: int) -> None:
+    def record(self, moved: int, seconds: float = 0.0) -> None:
         with self._lock:
             self.stats.bytes_read += moved
             self.stats.loads += 1
+            self.stats.load_s += seconds
+
+    def bytes_per_s(self) -> float | None:
+        """The link's rate: declared for an emulated tier, else measured over the loads so far (None before
+        any, and for the memory tier, which has no link)."""
+        if self.spec.kind == "memory":
+            return None
+        if self.spec.gigabytes_per_s is not None:
+            return self.spec.gigabytes_per_s * 1e9
+        return self.stats.bytes_read / self.stats.load_s if self.stats.load_s > 0 else None
 
     def storage(
         self, layer_idx: int, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device

@@ -69,7 +69,7 @@ class Engine:
         self._loaders: dict[TierSpec, TierLoader] = {}
         self._weight_sets: dict[str, torch.nn.Module] = {"same": loaded.model}  # type: ignore[dict-item]
         self._decoder = Decoder(loaded.model, self._weight_sets, self.planner, self.figures,  # type: ignore[arg-type]
-                                lambda: sum(loader.stats.wait_s for loader in self._loaders.values()))
+                                self._loaders)
         self._fetcher = None
         if prefixes is not None and self.config.fetch_workers > 0:
             self._fetcher = PrefixFetcher(prefixes, self.config.fetch_workers)

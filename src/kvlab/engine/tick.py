@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvlab.cache.tiers import TierLoader, TierSpec
 from kvlab.engine.figures import RunFigures
 from kvlab.engine.runner import group_by_model, pack, run_batch
 from kvlab.engine.sequence import Sequence, Status
@@ -29,20 +30,33 @@ class Decoder:
         weight_sets: Every set of weights by name ("same" is `target`; a drafter's copies by their name).
         planner: The rounds' planner (its cost model observes each forward; its batch view is updated).
         figures: The run's figures.
-        tier_wait_s: Seconds forwards have waited for slower tiers so far (all tiers together).
+        loaders: The tiers' loaders (their waits are taken out of the forwards' seconds; their link's rate
+            is the cost model's).
     """
 
     def __init__(self, target: torch.nn.Module, weight_sets: dict[str, torch.nn.Module], planner: RoundPlanner,
-                 figures: RunFigures, tier_wait_s: Callable[[], float]) -> None:
+                 figures: RunFigures, loaders: dict[TierSpec, TierLoader]) -> None:
         self.target = target
         self.weight_sets = weight_sets
         self.planner = planner
         self.figures = figures
-        self.tier_wait_s = tier_wait_s
+        self.loaders = loaders
+
+    def tier_wait_s(self) -> float:
+        """Seconds forwards have waited for slower tiers so far (all tiers together)."""
+        return sum(loader.stats.wait_s for loader in self.loaders.values())
+
+    def link_bytes_per_s(self) -> float | None:
+        """The slowest tier link's rate (None in memory)."""
+        rates = [rate for loader in self.loaders.values() if (rate := loader.bytes_per_s()) is not None]
+        return min(rates) if rates else None
 
     def tick(self, running: list[Sequence], fail: Fail) -> tuple[list[Sequence], bool]:
         """One tick over `running`; returns the sequences whose rounds ended (they stopped), and whether a
         lossless sequence verified (its draft cache then grew by the exact KV the verify handed it)."""
+        # What rounds planned in this tick see: this batch and the tier's link.
+        self.planner.batch.num_running = len(running)
+        self.planner.costs.link_bytes_per_s = self.link_bytes_per_s()
         for sequence in running:
             try:
                 sequence.prime()
@@ -52,7 +66,6 @@ class Decoder:
         owners = {id(sequence.feed): sequence for sequence in running}
         feeds = [(self._model_for(sequence), sequence.feed) for sequence in running if sequence.feed is not None]
         lossless = any(sequence.lossless is not None for sequence in running)
-        self.planner.batch.num_running = len(running)
         observed: list[tuple[str, list[SegmentShape], float]] = []
         verified = False
         for model, group in group_by_model(feeds, self.target):  # type: ignore[arg-type]

@@ -3,13 +3,16 @@
 A forward on one set of weights `w` packs segments i = 1..n; segment i feeds q_i tokens after the
 T_i tokens its cache holds, so its attention reads T_i + q_i keys with q_i queries. It takes
 
-    seconds = c0[w] + c1[w] * sum q_i + c2[w] * sum (T_i + q_i) / 1e3 + c3[w] * sum q_i (T_i + q_i) / 1e5
+    seconds = c0[w] + c1[w] * sum q_i + c2[w] * sum (T_i + q_i) / 1e3 + c3[w] * sum (q_i - 1)(T_i + q_i) / 1e5
               + the wait for any full KV held on a slower tier
 
 - c0: reading the weights once (and the forward's fixed host work), shared by every segment;
 - c1: the linear layers' work per token;
 - c2: attention reading each segment's keys and values once (per thousand keys);
-- c3: attention's arithmetic, per query and key (a verify's extra queries; per hundred thousand).
+- c3: attention's work for the queries past a segment's first, per query and key (per hundred thousand):
+  a verify's drafts. A one-query segment (a plain or draft step) takes the split-KV decode path, whose
+  cost is its keys' read; several queries over the same keys cost in proportion to both (measured at 8K,
+  batch 8: a tick of 2-token segments takes twice a tick of 1-token ones).
 
 The tier's part is not fitted: a full KV on a slower tier moves over one link at a known rate (an
 emulated link's rate is declared; another tier's is measured by its loader), so reading it costs its
@@ -49,10 +52,11 @@ class SegmentShape:
 
 
 def features(segments: list[SegmentShape]) -> list[float]:
-    """[1, tokens, keys / KEYS_UNIT, query-key pairs / PAIRS_UNIT] of a forward over `segments`."""
+    """[1, tokens, keys / KEYS_UNIT, extra query-key pairs / PAIRS_UNIT] of a forward over `segments` (the
+    pairs of each segment's queries past its first)."""
     tokens = sum(s.num_tokens for s in segments)
     keys = sum(s.num_cached + s.num_tokens for s in segments)
-    pairs = sum(s.num_tokens * (s.num_cached + s.num_tokens) for s in segments)
+    pairs = sum(max(s.num_tokens - 1, 0) * (s.num_cached + s.num_tokens) for s in segments)
     return [1.0, float(tokens), keys / KEYS_UNIT, pairs / PAIRS_UNIT]
 
 

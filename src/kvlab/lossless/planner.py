@@ -10,7 +10,9 @@ model (`kvlab.lossless.cost_model`):
 
 where a share is an equal part of its forward's fixed cost (the weights' read, split among the
 segments that forward packs: every running sequence for the served weights, the sequences drafting
-with a cheaper copy for theirs) plus the segment's own work, and `link_s` is its full KV over a
+with a cheaper copy for theirs) plus the segment's own work (a draft on a cheaper copy beside other
+sequences also keeps its share of the served weights' fixed cost: their forward runs every tick anyway,
+the rounds of a batch being out of step), and `link_s` is its full KV over a
 slower tier's link (0 in memory). The planner takes the source and k with the most tokens per second,
 E(k) / round_s(k), or a plain step (k = 0) where 1 / plain_s is more: summed over a batch, each
 sequence taking its best share is what maximizes the batch's tokens per second (goodput).
@@ -259,6 +261,10 @@ class RoundPlanner:
         if offer.weights is not None:
             draft = SegmentShape(1, offer.num_cached)
             draft_s = self.costs.share_s(offer.weights, draft, self.batch.num_sharing(offer.weights, state))
+            if offer.weights != "same" and self.batch.num_running > 1:
+                # The served weights' forward runs each tick for the others anyway: a row drafting on its own
+                # weights leaves its share of that forward's fixed cost to them (their rounds out of step).
+                draft_s += self.costs.share_s("same", SegmentShape(0, 0), self.batch.num_running)
         overlapped = state.settings.schedule == "staggered"
         sharing = self.batch.num_sharing("same", state)
 

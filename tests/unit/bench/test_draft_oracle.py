@@ -184,10 +184,17 @@ def test_a_tier_runs_plain_around_each_drafter_and_matches_its_tokens(
     prompts = [[(7 * i + row) % 90 + 3 for i in range(48)] for row in range(2)]
     prefills = {drafters[0].cache_key: bench.prefill_all(tiny_model, prompts, "snapkv", {"compression_ratio": 0.5})}
     where = {"prompt": "test", "context": 48, "batch": 2, "tier": "memory", "new_tokens": 4}
-    args = argparse.Namespace(new_tokens=4, lengths=[2])
+    args = argparse.Namespace(new_tokens=4, lengths=[2], repeats=1)
     records = bench.measure_tier(tiny_model, prompts, where, drafters, prefills, args)
     assert order == ["plain full KV", "snapkv-0.5 k=auto", "snapkv-0.5 k=2", "plain full KV",
                      "ngram+snapkv-0.5 k=auto", "ngram+snapkv-0.5 k=2", "plain full KV"]
     assert [record["drafter"] for record in records] == ["snapkv-0.5", "ngram+snapkv-0.5"]
     assert all(record["identical"] for record in records), records
     assert records[1]["plain_tokens_per_s_before_after"][0] == records[0]["plain_tokens_per_s_before_after"][1]
+    # Repeats alternate the order, with plain between them; each setting's rate is the mean of its runs.
+    order.clear()
+    args = argparse.Namespace(new_tokens=4, lengths=[2, 4], repeats=2)
+    records = bench.measure_tier(tiny_model, prompts, where, drafters[:1], prefills, args)
+    assert order == ["plain full KV", "snapkv-0.5 k=auto", "snapkv-0.5 k=2", "snapkv-0.5 k=4", "plain full KV",
+                     "snapkv-0.5 k=4", "snapkv-0.5 k=2", "snapkv-0.5 k=auto", "plain full KV"]
+    assert records[0]["repeats"] == 2 and records[0]["identical"], records

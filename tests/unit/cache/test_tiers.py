@@ -173,3 +173,12 @@ def test_loads_requested_ahead_are_used_once() -> None:
     assert loader.stats.loads == loaded.architecture.num_layers
     forward(loaded.model, tiered, torch.randint(3, 96, (1, 1)))  # the next forward loads again
     assert loader.stats.loads == 2 * loaded.architecture.num_layers
+
+
+def test_a_loaders_link_rate_is_declared_for_an_emulated_tier_and_measured_otherwise() -> None:
+    assert TierLoader(TierSpec.parse("emulated:2")).bytes_per_s() == 2e9
+    assert TierLoader(TierSpec.parse("memory")).bytes_per_s() is None
+    host = TierLoader(TierSpec.parse("host"))
+    assert host.bytes_per_s() is None  # nothing loaded yet
+    host.record(1000, 0.5)
+    assert host.bytes_per_s() == 2000.0

@@ -17,6 +17,9 @@ def test_ls_json_lists_models_and_registries(capsys: pytest.CaptureFixture[str])
     listing = json.loads(capsys.readouterr().out)
     assert [model["name"] for model in listing["models"]][:1] == ["smollm2"]
     assert listing["models"][0]["installed"] is True
+    drafters = {drafter["name"]: drafter for drafter in listing["drafters"]}
+    assert set(drafters) == {"compressed_cache", "prompt_lookup"}, drafters
+    assert [param["name"] for param in drafters["compressed_cache"]["parameters"]] == ["draft_weights"]
 
 
 def test_ls_text_lists_the_default_model(capsys: pytest.CaptureFixture[str]) -> None:

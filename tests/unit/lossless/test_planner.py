@@ -18,7 +18,7 @@ from kvlab.lossless import LosslessConfig, PromptLookup
 from kvlab.lossless import round as round_module
 from kvlab.lossless.cost_model import ForwardCostModel, LinearFit, SegmentShape, features
 from kvlab.lossless.drafter import Drafter, Offer, Proposal
-from kvlab.lossless.planner import Acceptance
+from kvlab.lossless.planner import Acceptance, RoundPlanner
 from kvlab.lossless.round import LosslessState
 from tests.helpers import tiny_llama
 from tests.unit.lossless.test_lossless import DRAFTERS, _prompts
@@ -108,6 +108,8 @@ class DraftCosts(ScriptedCosts):
         self.calls += 1
         if weights != "same":
             return self.cheap_draft_s if self.calls > self.dear_calls else self.draft_s
+        if segment.num_tokens == 0:
+            return 0.0  # a forward's fixed part alone: these scripted costs have none
         return self.step_s + self.verify_token_s * (segment.num_tokens - 1)
 
 
@@ -247,3 +249,67 @@ def test_the_engine_reports_the_cost_models_fit() -> None:
     assert stats.cost_model_ticks > 0 and stats.cost_model_mre is not None
     assert set(stats.cost_model_coefficients) == {"same", "bf16"}
     assert sum(stats.num_plans.values()) == stats.rounds
+
+
+def test_a_plain_only_engine_fits_nothing_and_counts_no_lossless_time() -> None:
+    engine = Engine(tiny_llama(num_kv_heads=2))
+    engine.add_request(Request(_prompts(40)[0], GenerationConfig(max_new_tokens=12, ignore_eos=True)))
+    while engine.has_work():
+        engine.step()
+    _, stats = engine.finish_stats()
+    assert (stats.verify_s, stats.draft_s, stats.cost_model_ticks) == (0.0, 0.0, 0)
+    assert not engine.planner.costs.fits and not engine.planner.num_plans
+
+
+@dataclasses.dataclass
+class FakeState:
+    """A sequence as the planner reads it: a full cache of `num_cached` tokens, `tier_bytes` of it over a link."""
+
+    settings: LosslessConfig
+    drafters: list[Drafter]
+    acceptance: dict[str, Acceptance]
+    num_cached: int = 8000
+    tier_bytes: int = 0
+    draft: object = None
+    full: object = None
+    pending: list[int] = dataclasses.field(default_factory=lambda: [1])
+    draft_missing: int = 1
+    draft_logits: torch.Tensor | None = None
+    in_transit: bool = False
+
+    def full_shape(self, num_tokens: int) -> SegmentShape:
+        return SegmentShape(num_tokens, self.num_cached, self.tier_bytes)
+
+
+class FreeDrafter(ScriptedDrafter):
+    def offer(self, host: RoundHost, state: LosslessState, limit: int) -> Offer | None:
+        return Offer(self, limit, weights="bf16", num_cached=800)
+
+
+class Host:
+    def remaining(self) -> int:
+        return 200
+
+
+def test_a_slow_full_kv_link_makes_drafting_pay_and_rounds_long() -> None:
+    """Behind a 2 GB/s link a plain step waits for the whole full KV; a staggered round hides its drafting
+    behind that wait, so the planner drafts, and longer than in memory."""
+    costs = ForwardCostModel(warm_up=0)
+    for tokens, keys, seconds in ((1, 8000, 0.040), (9, 8000, 0.060), (17, 8000, 0.080), (1, 800, 0.021)):
+        costs.observe_tick([("same", [SegmentShape(tokens, keys)], seconds)])
+    for _ in range(3):
+        costs.observe_tick([("bf16", [SegmentShape(1, 800)], 0.010)])
+    drafter = FreeDrafter({}, 0)
+    settings = LosslessConfig(create_compressor("snapkv", compression_ratio=0.9), "auto")
+    lengths = {}
+    for tier_bytes in (0, 370_000_000):
+        costs.link_bytes_per_s = 2e9
+        acceptance = Acceptance(0.5)
+        for _ in range(20):
+            acceptance.update(8, 4)  # about 0.8 per draft
+        state = FakeState(settings, [drafter], {"scripted": acceptance}, tier_bytes=tier_bytes)
+        plan = RoundPlanner(costs).plan(Host(), state)  # type: ignore[arg-type]
+        lengths[tier_bytes] = plan.num_draft_tokens
+        if tier_bytes:
+            assert plan.plain_s > 0.18 and plan.offer is not None, plan
+    assert lengths[370_000_000] > lengths[0], lengths
