@@ -66,6 +66,7 @@ class Engine:
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.interleave_prefill)
         self.planner = self.scheduler.planner
         self._sequences: dict[int, Sequence] = {}
+        self._next_id = 0
         self._loaders: dict[TierSpec, TierLoader] = {}
         self._weight_sets: dict[str, torch.nn.Module] = {"same": loaded.model}  # type: ignore[dict-item]
         self._decoder = Decoder(loaded.model, self._weight_sets, self.planner, self.figures,  # type: ignore[arg-type]
@@ -94,10 +95,10 @@ class Engine:
             self._drafter(lossless.draft_weights)
             warn_if_inexact(self.loaded.dtype)
         checker = StopChecker(request.config, self.loaded.eos_token_ids, self.loaded.decode)
-        sequence = Sequence(self.figures.num_added, request, generator, checker, self.figures.on_emit,
-                            prefilled=prefilled)
+        sequence = Sequence(self._next_id, request, generator, checker, self.figures.on_emit, prefilled=prefilled)
         if request.config.logprobs is not None:
             sequence.logprobs = TokenLogprobs()
+        self._next_id += 1
         self.figures.num_added += 1
         if self._fetcher is not None and prefilled is None and request.reuses_prefixes:
             # A lossless verifier's cache is only ever restored from bit-exact chunks.
@@ -247,9 +248,7 @@ class Engine:
         self._admitted(sequence)
         if request.lossless is not None:
             assert prefilled.draft is not None  # add_request refuses a lossless prompt prefilled without one
-            weights = request.lossless.draft_weights
-            calibrate(self.planner.costs, {"same": self.loaded.model, weights: self._drafter(weights)}, cache,
-                      prefilled.draft, first_token)
+            self._calibrate(request.lossless.draft_weights, cache, prefilled.draft, first_token)
             sequence.lossless = LosslessState(cache, prefilled.draft, request.lossless, self.planner,
                                               pending=[first_token], draft_missing=1, totals=self.figures.totals())
         else:
@@ -287,12 +286,19 @@ class Engine:
             return False
         self.stats.tier = request.config.tier.name
         self._admitted(sequence)
+        # The exact prefix is in transit: the served weights are calibrated on the draft cache meanwhile.
+        self._calibrate(settings.draft_weights, started.draft, started.draft, request.prompt[-1])
         sequence.lossless = LosslessState(started.exact, started.draft, settings, self.planner, pending=[],
                                           draft_missing=0, totals=self.figures.totals(),
                                           draft_logits=started.draft_logits)
         sequence.start(lossless_rounds(sequence, sequence.lossless))
         self.figures.record_caches(self.scheduler.running)
         return True
+
+    def _calibrate(self, weights: str, full: KVCache, draft: KVCache, token_id: int) -> None:
+        """Fit the planner's cost model to the served and draft weights where it has not been yet."""
+        calibrate(self.planner.costs, {"same": self.loaded.model, weights: self._drafter(weights)}, full, draft,
+                  token_id)
 
     def _admitted(self, sequence: Sequence) -> None:
         self.scheduler.start_running(sequence)

@@ -12,10 +12,12 @@ from collections.abc import Callable
 
 import torch
 
+from kvlab.cache import KVCache
 from kvlab.cache.tiers import TierLoader, TierSpec
 from kvlab.engine.figures import RunFigures
 from kvlab.engine.runner import group_by_model, pack, run_batch
 from kvlab.engine.sequence import Sequence, Status
+from kvlab.lossless.calibration import calibrate_batch
 from kvlab.lossless.cost_model import SegmentShape
 from kvlab.lossless.planner import RoundPlanner
 
@@ -41,6 +43,7 @@ class Decoder:
         self.planner = planner
         self.figures = figures
         self.loaders = loaders
+        self.calibrated_batch = 1  # the largest batch calibrated so far (one sequence: at its start)
 
     def tier_wait_s(self) -> float:
         """Seconds forwards have waited for slower tiers so far (all tiers together)."""
@@ -57,6 +60,7 @@ class Decoder:
         # What rounds planned in this tick see: this batch and the tier's link.
         self.planner.batch.num_running = len(running)
         self.planner.costs.link_bytes_per_s = self.link_bytes_per_s()
+        self._calibrate_batch(running)
         for sequence in running:
             try:
                 sequence.prime()
@@ -93,6 +97,18 @@ class Decoder:
             self.planner.costs.observe_tick(observed)
         stopped = [sequence for sequence in running if sequence.status is Status.RUNNING and sequence.feed is None]
         return stopped, verified
+
+    def _calibrate_batch(self, running: list[Sequence]) -> None:
+        """Calibrate the cost model on this batch of lossless sequences when it is the largest yet
+        (`calibrate_batch`: its forwards are rolled back, mid-round caches included)."""
+        states = [sequence.lossless for sequence in running if sequence.lossless is not None]
+        if len(states) <= self.calibrated_batch:
+            return
+        pairs = [(state.full, state.draft) for state in states if isinstance(state.full, KVCache)]
+        weights = {state.settings.draft_weights for state in states}
+        models = {"same": self.target} | {name: self.weight_sets[name] for name in weights}
+        calibrate_batch(self.planner.costs, models, pairs, states[0].pending[-1] if states[0].pending else 0)
+        self.calibrated_batch = len(states)
 
     def _model_for(self, sequence: Sequence) -> torch.nn.Module:
         feed, lossless = sequence.feed, sequence.request.lossless

@@ -194,8 +194,8 @@ class RoundPlanner:
     run_acceptance: dict[str, Acceptance] = dataclasses.field(default_factory=dict)
 
     def new_acceptance(self, drafter: Drafter) -> Acceptance:
-        """A new sequence's acceptance record of `drafter`: its prior is what the run's rounds of that
-        drafter accepted so far (the drafter's own prior before any)."""
+        """A new sequence's acceptance record of `drafter`: its prior is what the run's recent rounds of that
+        drafter accepted (the drafter's own prior before any)."""
         run = self.run_acceptance.setdefault(drafter.name, Acceptance(drafter.prior_acceptance))
         return Acceptance(run.pooled()[0])
 
@@ -206,8 +206,9 @@ class RoundPlanner:
         if plan.offer is not None and num_draft_tokens:
             name = plan.offer.drafter.name
             state.acceptance[name].update(num_draft_tokens, num_accepted_tokens)
-            self.run_acceptance.setdefault(name, Acceptance(plan.offer.drafter.prior_acceptance)).update(
-                num_draft_tokens, num_accepted_tokens)
+            run = self.run_acceptance.setdefault(name, Acceptance(plan.offer.drafter.prior_acceptance))
+            run.age()  # the run's recent rounds: a long-lived engine's workload changes
+            run.update(num_draft_tokens, num_accepted_tokens)
 
     def plan(self, host: RoundHost, state: PlannedState) -> RoundPlan:
         """The next round of `state`: the offer and length with the most expected tokens per second."""
@@ -229,7 +230,7 @@ class RoundPlanner:
             candidate = self._best_length(state, offer, plain_s, fixed)
             if candidate is None:
                 continue
-            if fixed is not None and best.offer is None or _rate(candidate) > _rate(best):
+            if (fixed is not None and best.offer is None) or _rate(candidate) > _rate(best):
                 best = candidate
         for drafter in state.drafters:
             if best.offer is None or drafter is not best.offer.drafter:

@@ -313,3 +313,29 @@ def test_a_slow_full_kv_link_makes_drafting_pay_and_rounds_long() -> None:
         if tier_bytes:
             assert plan.plain_s > 0.18 and plan.offer is not None, plan
     assert lengths[370_000_000] > lengths[0], lengths
+
+
+def test_a_batch_calibration_fits_the_batch_and_leaves_every_cache_as_it_was() -> None:
+    from kvlab.generation.prefill import PrefillCaches, prefill
+    from kvlab.lossless.calibration import calibrate_batch
+
+    loaded = tiny_llama(num_kv_heads=2)
+    pairs = []
+    for prompt in (_prompts(40)[0], _prompts(52)[0]):
+        full, draft, _ = prefill(loaded, [prompt], PrefillCaches(80, drafter=create_compressor("streamingllm",
+                                                                                              budget=12)))
+        assert draft is not None
+        pairs.append((full, draft))
+    pairs[1][1].set_provisional(True)  # a draft cache mid-round
+    before = [(full.clone(), draft.clone()) for full, draft in pairs]
+    costs = ForwardCostModel(warm_up=0)
+    calibrate_batch(costs, {"same": loaded.model}, pairs, 5)
+    assert costs.ready("same") and costs.fits["same"].num_observed == 2
+    for (full, draft), (old_full, old_draft) in zip(pairs, before, strict=True):
+        for cache, old in ((full, old_full), (draft, old_draft)):
+            assert cache.seq_lengths == old.seq_lengths
+            for layer, old_layer in zip(cache.layers, old.layers, strict=True):
+                assert layer.lengths == old_layer.lengths  # type: ignore[attr-defined]
+                length = layer.lengths[0]  # type: ignore[attr-defined]
+                assert torch.equal(layer.keys[:, :, :length], old_layer.keys[:, :, :length])  # type: ignore[attr-defined]
+    assert [draft.layers[0].deferred for _, draft in pairs] == [False, True]
