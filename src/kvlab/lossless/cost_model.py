@@ -34,6 +34,8 @@ import torch
 KEYS_UNIT = 1e3
 PAIRS_UNIT = 1e5
 NUM_FEATURES = 4
+# Forwards a fit has seen before an outlier is clipped to `ForwardCostModel.max_ratio` x its prediction.
+MIN_FORWARDS_TO_CLIP = 8
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -151,12 +153,15 @@ class ForwardCostModel:
         link_bytes_per_s: The tier link's rate, when the full KV lives on a slower tier.
         fit: The out-of-sample record of every tick.
         warm_up: Forwards of a weight set not compared (nor fitted): the first ones pay one-off set-ups.
+        max_ratio: A fitted forward counts at most this multiple of its prediction (once the fit has seen
+            MIN_FORWARDS_TO_CLIP forwards): a stall on a shared machine is not a new cost.
     """
 
     fits: dict[str, LinearFit] = dataclasses.field(default_factory=dict)
     link_bytes_per_s: float | None = None
     fit: CostFit = dataclasses.field(default_factory=CostFit)
     warm_up: int = 1
+    max_ratio: float = 2.0
     _seen: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def ready(self, weights: str) -> bool:
@@ -190,8 +195,15 @@ class ForwardCostModel:
         for weights, segments, seconds in forwards:
             seen = self._seen.get(weights, 0)
             self._seen[weights] = seen + 1
-            if seen >= self.warm_up:
-                self.fits.setdefault(weights, LinearFit()).observe(features(segments), seconds)
+            if seen < self.warm_up:
+                continue
+            fit = self.fits.setdefault(weights, LinearFit())
+            x = features(segments)
+            if fit.num_observed >= MIN_FORWARDS_TO_CLIP:
+                # One forward slowed by the shared machine counts at most `max_ratio` times its prediction:
+                # the fit follows drift over several forwards, not a single stall.
+                seconds = min(seconds, self.max_ratio * max(fit.predict(x), 1e-6))
+            fit.observe(x, seconds)
 
     def coefficients(self) -> dict[str, list[float]]:
         """Each weight set's fitted [c0, c1, c2, c3] (seconds per feature unit)."""

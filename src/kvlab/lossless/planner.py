@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 # round drafts up to this many tokens (or its fixed length) and verifies once the prefix has landed.
 TRANSIT_NUM_DRAFT_TOKENS = 8
 MAX_TRACE = 256
+# Lengths tried past the last one that raised the best rate (the search's end; planning runs every round).
+LENGTHS_PAST_THE_PEAK = 8
 
 
 class RoundSettings(Protocol):
@@ -315,13 +317,17 @@ def choose_length(acceptance: Acceptance, lengths: Iterable[int], round_s: Calla
     leaning = acceptance.expected_tokens(max(lengths), optimism / 2)
     hopes = acceptance.expected_tokens(max(lengths), optimism)
     best: LengthChoice | None = None
-    best_leaning, best_hope = 0.0, 0.0
+    best_leaning, best_hope, last_gain = 0.0, 0.0, 0
     for length in lengths:
+        if best is not None and length - last_gain > LENGTHS_PAST_THE_PEAK:
+            break  # tokens per second past the peak only fall: E(k) flattens while the round's cost grows
         seconds = max(round_s(length), 1e-9)
         # The length leans a little optimistic (half the optimism), so positions rarely reached get tried.
         if best is None or leaning[length] / seconds > best_leaning:
             best, best_leaning = LengthChoice(length, means[length], seconds), leaning[length] / seconds
-        best_hope = max(best_hope, hopes[length] / seconds)
+            last_gain = length
+        if hopes[length] / seconds > best_hope:
+            best_hope, last_gain = hopes[length] / seconds, length
     assert best is not None, "choose_length needs at least one length"
     if best.rate * plain_s < 1.0 <= best_hope * plain_s:
         best = LengthChoice(best.num_draft_tokens, best_hope * best.seconds, best.seconds)

@@ -339,3 +339,11 @@ def test_a_batch_calibration_fits_the_batch_and_leaves_every_cache_as_it_was() -
                 length = layer.lengths[0]  # type: ignore[attr-defined]
                 assert torch.equal(layer.keys[:, :, :length], old_layer.keys[:, :, :length])  # type: ignore[attr-defined]
     assert [draft.layers[0].deferred for _, draft in pairs] == [False, True]
+
+
+@pytest.mark.parametrize("fixed", [1, 9, 32])
+def test_a_fixed_length_past_the_search_window_is_still_chosen(fixed: int) -> None:
+    from kvlab.lossless.planner import choose_length
+
+    choice = choose_length(Acceptance(0.5), [fixed], lambda length: 0.01 * (length + 1), 0.01, 1.0)
+    assert choice.num_draft_tokens == fixed
