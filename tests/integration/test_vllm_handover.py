@@ -74,8 +74,10 @@ class Pages:
         return StepHandover(rows, self.pages, LAYOUT, BLOCK_SIZE, finished)
 
 
-def proposer_for(model: LoadedModel, drafter: str = "snapkv", **params: Any) -> KVLabDraftProposer:
-    proposer = KVLabDraftProposer(vllm_config(), create_compressor(drafter, **params))
+def proposer_for(model: LoadedModel, drafter: str = "snapkv", draft_length: str = "fixed",
+                 **params: Any) -> KVLabDraftProposer:
+    """A proposer drafting `num_speculative_tokens` every step (`fixed`: the tests check what it drafts)."""
+    proposer = KVLabDraftProposer(vllm_config(), create_compressor(drafter, **params), draft_length=draft_length)
     proposer.engine = f"test-{id(proposer)}"
     proposer.model = model
     BOARD.connect(proposer.engine)
@@ -278,7 +280,7 @@ def test_every_drafter_drafts_from_a_hand_over(tiny: LoadedModel, name: str) -> 
 def test_a_lookup_round_drafts_no_forward_and_the_cache_catches_up_from_the_pages(tiny: LoadedModel) -> None:
     from kvlab.lossless.prompt_lookup import PromptLookup, find_continuation
 
-    proposer = proposer_for(tiny, "snapkv", compression_ratio=0.0)
+    proposer = proposer_for(tiny, "snapkv", draft_length="auto", compression_ratio=0.0)
     proposer.lookup = PromptLookup()
     pages = Pages(tiny)
     history = PROMPTS[1][:30] * 2 + [PROMPTS[1][30]]

@@ -35,8 +35,10 @@ def tiny() -> LoadedModel:
     return tiny_llama(num_kv_heads=2, seed=11)
 
 
-def proposer_for(model: LoadedModel, drafter: str = "snapkv", **params: Any) -> KVLabDraftProposer:
-    proposer = KVLabDraftProposer(vllm_config(), create_compressor(drafter, **params))
+def proposer_for(model: LoadedModel, drafter: str = "snapkv", draft_length: str = "fixed",
+                 **params: Any) -> KVLabDraftProposer:
+    """A proposer drafting `num_speculative_tokens` every step (`fixed`: the tests check what it drafts)."""
+    proposer = KVLabDraftProposer(vllm_config(), create_compressor(drafter, **params), draft_length=draft_length)
     proposer.model = model  # what load_model loads from the served checkpoint
     return proposer
 

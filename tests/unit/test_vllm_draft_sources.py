@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvlab.integrations.vllm.sources import CACHE, LOOKUP, RowPlan, RowRecord, StepCosts, plan_rows, running_mean
 from kvlab.lossless.cost_model import SegmentShape
 
@@ -57,3 +59,16 @@ def test_a_free_lookup_is_taken_over_nothing_and_a_round_credits_its_source() ->
     assert row.acceptance[LOOKUP].accepted[:2] == [1.0, 1.0] and row.acceptance[LOOKUP].reached == [1.0, 1.0, 1.0]
     assert row.pending is None and row.acceptance[CACHE].reached == []
     assert running_mean(None, 2.0) == 2.0 and 2.0 < running_mean(2.0, 4.0) < 4.0
+
+
+def test_the_draft_length_setting_is_auto_or_fixed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlab.errors import ConfigError
+    from kvlab.integrations.vllm.proposer import DRAFT_LENGTH_ENV, draft_length_from_environment
+
+    monkeypatch.delenv(DRAFT_LENGTH_ENV, raising=False)
+    assert draft_length_from_environment() == "auto"
+    monkeypatch.setenv(DRAFT_LENGTH_ENV, "fixed")
+    assert draft_length_from_environment() == "fixed"
+    monkeypatch.setenv(DRAFT_LENGTH_ENV, "8")
+    with pytest.raises(ConfigError, match="auto, fixed"):
+        draft_length_from_environment()

@@ -57,13 +57,16 @@ from kvlab.models import LoadedModel
 from kvlab.models.draft_weights import DRAFT_WEIGHTS, DraftWeights, draft_model
 from kvlab.timing import Stopwatch
 
-__all__ = ["DEFAULT_DRAFTER", "DRAFTER_ENV", "DRAFT_WEIGHTS_ENV", "DraftSequence", "KVLabDraftProposer",
-           "ProposerStats", "draft_weights_from_environment", "drafter_from_environment"]
+__all__ = ["DEFAULT_DRAFTER", "DRAFTER_ENV", "DRAFT_LENGTH_ENV", "DRAFT_WEIGHTS_ENV", "DraftSequence",
+           "KVLabDraftProposer", "ProposerStats", "draft_length_from_environment", "draft_weights_from_environment",
+           "drafter_from_environment"]
 
 logger = logging.getLogger(__name__)
 
 DRAFTER_ENV = "KVLAB_VLLM_DRAFTER"
 DRAFT_WEIGHTS_ENV = "KVLAB_VLLM_DRAFT_WEIGHTS"
+DRAFT_LENGTH_ENV = "KVLAB_VLLM_DRAFT_LENGTH"
+DRAFT_LENGTHS = ("auto", "fixed")
 DEFAULT_DRAFTER: dict[str, Any] = {"name": "snapkv"}
 # Sequences kept without being seen in a step when they are found by token prefix (no request ids):
 # a preempted request that comes back finds its cache.
@@ -84,6 +87,16 @@ def drafter_from_environment() -> tuple[Compressor, PromptLookup | None]:
     return compressors.from_dict({**spec, "name": name}), lookup
 
 
+def draft_length_from_environment() -> str:
+    """`KVLAB_VLLM_DRAFT_LENGTH`: `auto` (default: kvlab's planner chooses each row's source and length, or
+    nothing) or `fixed` (every row proposes `num_speculative_tokens`: its lookup's continuation where it
+    has one, else the compressed cache's)."""
+    length = os.environ.get(DRAFT_LENGTH_ENV) or "auto"
+    if length not in DRAFT_LENGTHS:
+        raise ConfigError(f"{DRAFT_LENGTH_ENV} must be one of {', '.join(DRAFT_LENGTHS)}, got {length!r}")
+    return length
+
+
 def draft_weights_from_environment() -> DraftWeights:
     """The draft weights `KVLAB_VLLM_DRAFT_WEIGHTS` names (`same` when unset)."""
     weights = os.environ.get(DRAFT_WEIGHTS_ENV) or "same"
@@ -100,15 +113,18 @@ class KVLabDraftProposer:
         drafter: The compressor whose cache drafts (default, with `lookup`: from `KVLAB_VLLM_DRAFTER`).
         draft_weights: The weights that draft (default: from `KVLAB_VLLM_DRAFT_WEIGHTS`).
         lookup: Prompt lookup composed with the compressed cache (with an explicit `drafter`).
+        draft_length: `auto` or `fixed` (default: from `KVLAB_VLLM_DRAFT_LENGTH`).
     """
 
     def __init__(self, vllm_config: Any, drafter: Compressor | None = None,
-                 draft_weights: DraftWeights | None = None, lookup: PromptLookup | None = None) -> None:
+                 draft_weights: DraftWeights | None = None, lookup: PromptLookup | None = None,
+                 draft_length: str | None = None) -> None:
         self.num_speculative_tokens = int(vllm_config.speculative_config.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.directory, self.dtype = served_model(vllm_config)
         self.drafter, self.lookup = (drafter, lookup) if drafter is not None else drafter_from_environment()
         self.draft_weights = draft_weights or draft_weights_from_environment()
+        self.draft_length = draft_length or draft_length_from_environment()
         self.engine = engine_key(vllm_config)
         self.model: LoadedModel | None = None
         self.by_request: dict[str, DraftSequence] = {}
@@ -253,7 +269,9 @@ class KVLabDraftProposer:
         lookups = [find_continuation(history.tolist(), k, self.lookup) if self.lookup is not None else []
                    for history in histories]
         cached = [int(sequence.cache.layers[0].lengths[0]) for sequence in sequences]  # type: ignore[attr-defined]
-        plans = plan_rows([sequence.sources for sequence in sequences], lookups, cached, k, self.costs)
+        # `fixed`: costs never measured, so every row takes its lookup where it has one, else the cache, at k.
+        costs = self.costs if self.draft_length == "auto" else StepCosts(self.draft_weights)
+        plans = plan_rows([sequence.sources for sequence in sequences], lookups, cached, k, costs)
         drafts: list[list[int]] = [[] for _ in sequences]
         for index, (plan, lookup) in enumerate(zip(plans, lookups, strict=True)):
             if plan.source == LOOKUP:
