@@ -166,10 +166,13 @@ def test_vllm_drafting_with_a_kvlab_compressor_keeps_greedy_output(spec_engine: 
     assert accepted > 0, "vLLM accepted none of the drafts"
 
 
-def proposer_of(engine: Any) -> KVLabDraftProposer:
-    """The proposer inside an in-process engine (the engine core runs in this process in the tests)."""
+def proposer_of(engine: Any, draft_length: str = "fixed") -> KVLabDraftProposer:
+    """The proposer inside an in-process engine (the engine core runs in this process in the tests), set to
+    draft every step (`fixed`): these tests check the drafting paths, which `auto` skips where a tiny model's
+    vLLM step is cheaper than a draft forward."""
     runner = engine.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     assert isinstance(runner.drafter, KVLabDraftProposer)
+    runner.drafter.draft_length = draft_length
     return runner.drafter
 
 
