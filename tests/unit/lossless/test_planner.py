@@ -159,21 +159,28 @@ def _scripted(prompts: list[list[int]], config: GenerationConfig, right: bool) -
     return drafter
 
 
+def _run_scripted(batch: int, right: bool, draft_s: float, monkeypatch: pytest.MonkeyPatch
+                  ) -> tuple[Engine, list[int], list[list[int]]]:
+    """`batch` sequences drafting from a `ScriptedDrafter` (always right or always wrong) at `draft_s` per
+    draft; returns the engine, the request ids and the reference decoder's tokens."""
+    prompts = [_prompts(60 + row)[0] for row in range(batch)]
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    drafter = _scripted(prompts, config, right=right)
+    monkeypatch.setattr(round_module, "drafters_of", lambda settings: [drafter])
+    lossless = LosslessConfig(create_compressor("streamingllm", budget=4), "auto")
+    engine, ids = _run(prompts, config, lossless, DraftCosts(draft_s=draft_s, cheap_draft_s=draft_s, step_s=0.05))
+    expected = reference_generate(engine.loaded, prompts, config)
+    return engine, ids, [request.token_ids for request in expected.requests]
+
+
 @pytest.mark.parametrize("batch", [1, 8])
 def test_the_planner_takes_plain_steps_when_drafts_are_never_accepted(
     batch: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    prompts = [_prompts(60 + row)[0] for row in range(batch)]
-    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
-    drafter = _scripted(prompts, config, right=False)
-    monkeypatch.setattr(round_module, "drafters_of", lambda settings: [drafter])
-    lossless = LosslessConfig(create_compressor("streamingllm", budget=4), "auto")
-    costs = DraftCosts(draft_s=0.03, cheap_draft_s=0.03, step_s=0.05)
-    engine, ids = _run(prompts, config, lossless, costs)
-    expected = reference_generate(engine.loaded, prompts, config)
+    engine, ids, expected = _run_scripted(batch, False, 0.03, monkeypatch)
     rounds = 0
     for index, request_id in enumerate(ids):
-        assert engine.output(request_id).token_ids == expected.requests[index].token_ids
+        assert engine.output(request_id).token_ids == expected[index]
         stats = engine.round_stats(request_id)
         assert stats is not None
         rounds += stats.rounds
@@ -186,16 +193,9 @@ def test_the_planner_takes_plain_steps_when_drafts_are_never_accepted(
 def test_the_planner_drafts_long_when_drafts_are_always_accepted_and_cheap(
     batch: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    prompts = [_prompts(60 + row)[0] for row in range(batch)]
-    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
-    drafter = _scripted(prompts, config, right=True)
-    monkeypatch.setattr(round_module, "drafters_of", lambda settings: [drafter])
-    lossless = LosslessConfig(create_compressor("streamingllm", budget=4), "auto")
-    costs = DraftCosts(draft_s=0.005, cheap_draft_s=0.005, step_s=0.05)
-    engine, ids = _run(prompts, config, lossless, costs)
-    expected = reference_generate(engine.loaded, prompts, config)
+    engine, ids, expected = _run_scripted(batch, True, 0.005, monkeypatch)
     for index, request_id in enumerate(ids):
-        assert engine.output(request_id).token_ids == expected.requests[index].token_ids
+        assert engine.output(request_id).token_ids == expected[index]
         stats = engine.round_stats(request_id)
         assert stats is not None and stats.num_plain_rounds <= 1  # only a last round with one token left
         # Every draft accepted: the rounds grow (the first is short: the drafter's prior is only a prior).
