@@ -46,7 +46,7 @@ def pack(model: torch.nn.Module, feeds: list[Feed]) -> PackedBatch:
     logits_at: list[int] = []
     end = 0
     for feed in ordered:
-        segments.append(Segment(feed.cache, len(feed.token_ids), captured=feed.captured))
+        segments.append(Segment(feed.cache, len(feed.token_ids), feed.captured, feed.paired, feed.compress))
         end += len(feed.token_ids)
         logits_at.extend(range(end - feed.num_logits, end))
     return PackedBatch(model, ordered, segments, [feed.token_ids for feed in ordered], logits_at)

@@ -3,16 +3,21 @@
 A forward on one set of weights `w` packs segments i = 1..n; segment i feeds q_i tokens after the
 T_i tokens its cache holds, so its attention reads T_i + q_i keys with q_i queries. It takes
 
-    seconds = c0[w] + c1[w] * sum q_i + c2[w] * sum (T_i + q_i) / 1e3 + c3[w] * sum (q_i - 1)(T_i + q_i) / 1e5
+    seconds = c0[w] + c1[w] * sum q_i + c2[w] * sum_{q_i = 1} (T_i + 1) / 1e3 + c3[w] * sum_{q_i > 1} (T_i + q_i) / 1e3
+              + c4[w] * sum_{q_i <= 64} (q_i - 1)(T_i + q_i) / 1e5 + c5[w] * sum_{q_i > 64} (q_i - 1)(T_i + q_i) / 1e5
               + the wait for any full KV held on a slower tier
 
 - c0: reading the weights once (and the forward's fixed host work), shared by every segment;
 - c1: the linear layers' work per token;
-- c2: attention reading each segment's keys and values once (per thousand keys);
-- c3: attention's work for the queries past a segment's first, per query and key (per hundred thousand):
-  a verify's drafts. A one-query segment (a plain or draft step) takes the split-KV decode path, whose
-  cost is its keys' read; several queries over the same keys cost in proportion to both (measured at 8K,
-  batch 8: a tick of 2-token segments takes twice a tick of 1-token ones).
+- c2: attention reading a one-query segment's keys and values (a plain or draft step), per thousand keys:
+  the split-KV decode path (`kvlab.attention.split_kv_decode`), which streams them;
+- c3: the same read by a segment of several queries (a verify), which takes another path (scores written
+  out as matrix products): at 8K keys it reads them several times slower, so one coefficient for both
+  would price a batch's plain steps at what its verifies pay (measured at 8K, batch 8: 31 ms predicted
+  per plain row against 15 ms);
+- c4: attention's work for the queries past a segment's first, per query and key (per hundred thousand),
+  in segments of up to 64 queries (drafts and verifies: `kvlab.attention.FOLDED_SCORES_MAX_QUERIES`);
+- c5: the same in longer segments (an interleaved prefill's piece), which take the flash kernel.
 
 The tier's part is not fitted: a full KV on a slower tier moves over one link at a known rate (an
 emulated link's rate is declared; another tier's is measured by its loader), so reading it costs its
@@ -30,10 +35,12 @@ import dataclasses
 
 import torch
 
+from kvlab.attention import FOLDED_SCORES_MAX_QUERIES
+
 # Feature units: thousands of keys, hundreds of thousands of query-key pairs (keeps the system well scaled).
 KEYS_UNIT = 1e3
 PAIRS_UNIT = 1e5
-NUM_FEATURES = 4
+NUM_FEATURES = 6
 # Forwards a fit has seen before an outlier is clipped to `ForwardCostModel.max_ratio` x its prediction.
 MIN_FORWARDS_TO_CLIP = 8
 
@@ -54,12 +61,16 @@ class SegmentShape:
 
 
 def features(segments: list[SegmentShape]) -> list[float]:
-    """[1, tokens, keys / KEYS_UNIT, extra query-key pairs / PAIRS_UNIT] of a forward over `segments` (the
-    pairs of each segment's queries past its first)."""
+    """[1, tokens, one-query segments' keys / KEYS_UNIT, several-query segments' keys / KEYS_UNIT, extra
+    query-key pairs / PAIRS_UNIT of segments up to FOLDED_SCORES_MAX_QUERIES queries, and of longer ones] of
+    a forward over `segments` (a segment's extra pairs: those of its queries past its first)."""
     tokens = sum(s.num_tokens for s in segments)
-    keys = sum(s.num_cached + s.num_tokens for s in segments)
-    pairs = sum(max(s.num_tokens - 1, 0) * (s.num_cached + s.num_tokens) for s in segments)
-    return [1.0, float(tokens), keys / KEYS_UNIT, pairs / PAIRS_UNIT]
+    single_keys = sum(s.num_cached + s.num_tokens for s in segments if s.num_tokens == 1)
+    multi_keys = sum(s.num_cached + s.num_tokens for s in segments if s.num_tokens > 1)
+    pairs = [(s.num_tokens - 1) * (s.num_cached + s.num_tokens) for s in segments]
+    short = sum(p for p, s in zip(pairs, segments, strict=True) if s.num_tokens <= FOLDED_SCORES_MAX_QUERIES)
+    return [1.0, float(tokens), single_keys / KEYS_UNIT, multi_keys / KEYS_UNIT, short / PAIRS_UNIT,
+            (sum(pairs) - short) / PAIRS_UNIT]
 
 
 def marginal_features(segment: SegmentShape, num_sharing: float) -> list[float]:
@@ -76,10 +87,10 @@ class LinearFit:
     Attributes:
         forgetting: Weight of the past per new forward (0..1].
         ridge: Added to the normal equations' diagonal (keeps collinear features bounded).
-        gram: [4, 4] float64 sum of x x^T, forgotten geometrically.
-        moments: [4] float64 sum of x y.
+        gram: [6, 6] float64 sum of x x^T, forgotten geometrically.
+        moments: [6] float64 sum of x y.
         num_observed: Forwards folded in.
-        coefficients: [4] the current fit (seconds per unit of each feature).
+        coefficients: [6] the current fit (seconds per unit of each feature).
     """
 
     forgetting: float = 0.98
@@ -206,5 +217,5 @@ class ForwardCostModel:
             fit.observe(x, seconds)
 
     def coefficients(self) -> dict[str, list[float]]:
-        """Each weight set's fitted [c0, c1, c2, c3] (seconds per feature unit)."""
+        """Each weight set's fitted [c0, c1, c2, c3, c4, c5] (seconds per feature unit)."""
         return {weights: [float(c) for c in fit.coefficients] for weights, fit in self.fits.items()}

@@ -26,13 +26,16 @@ from tests.unit.lossless.test_prompt_lookup import repetitive_prompt
 
 
 def test_the_fit_recovers_known_coefficients_from_synthetic_ticks() -> None:
-    truth = torch.tensor([0.020, 0.0005, 0.004, 0.003], dtype=torch.float64)
+    truth = torch.tensor([0.020, 0.0005, 0.002, 0.006, 0.003, 0.001], dtype=torch.float64)
     fit = LinearFit(forgetting=1.0, ridge=1e-9)
     generator = torch.Generator().manual_seed(0)
-    for _ in range(60):
+    # Plain steps and drafts (one query), verifies (2 to 17) and prefill pieces (256 or 512).
+    num_tokens = torch.tensor([1, 1, 1, *range(2, 18), 256, 512])
+    for _ in range(80):
         num_segments = int(torch.randint(1, 9, (1,), generator=generator))
-        segments = [SegmentShape(int(torch.randint(1, 18, (1,), generator=generator)),
-                                 int(torch.randint(0, 8192, (1,), generator=generator))) for _ in range(num_segments)]
+        picks = torch.randint(0, len(num_tokens), (num_segments,), generator=generator)
+        segments = [SegmentShape(int(num_tokens[pick]), int(torch.randint(0, 8192, (1,), generator=generator)))
+                    for pick in picks]
         x = features(segments)
         fit.observe(x, float(torch.dot(truth, torch.tensor(x, dtype=torch.float64))))
     torch.testing.assert_close(fit.coefficients, truth, rtol=1e-4, atol=1e-7)
