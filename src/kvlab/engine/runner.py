@@ -8,12 +8,17 @@ with its own weights (bf16, int8, int4) gets a forward of its own, run first.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Generator
+from typing import TypeVar
 
 import torch
 
 from kvlab.cache import Segment, run_packed
 from kvlab.generation.feed import Feed
+from kvlab.lossless.cost_model import SegmentShape
 from kvlab.timing import Stopwatch
+
+Result = TypeVar("Result")
 
 
 @dataclasses.dataclass(slots=True)
@@ -26,6 +31,7 @@ class PackedBatch:
         segments: One per feed: its cache, its token count and where its new KV goes.
         token_ids: One list per feed; packed, they are the forward's single row of tokens.
         logits_at: [sum of num_logits] indices into the packed tokens whose logits are kept.
+        shapes: One per feed: what its segment feeds and reads (for the cost model), as of packing.
     """
 
     model: torch.nn.Module
@@ -33,6 +39,7 @@ class PackedBatch:
     segments: list[Segment]
     token_ids: list[list[int]]
     logits_at: list[int]
+    shapes: list[SegmentShape]
 
     @property
     def num_drafting(self) -> int:
@@ -49,7 +56,9 @@ def pack(model: torch.nn.Module, feeds: list[Feed]) -> PackedBatch:
         segments.append(Segment(feed.cache, len(feed.token_ids), feed.captured, feed.paired, feed.compress))
         end += len(feed.token_ids)
         logits_at.extend(range(end - feed.num_logits, end))
-    return PackedBatch(model, ordered, segments, [feed.token_ids for feed in ordered], logits_at)
+    shapes = [SegmentShape(segment.num_tokens, segment.cache.layers[0].lengths[0])  # type: ignore[attr-defined]
+              for segment in segments]
+    return PackedBatch(model, ordered, segments, [feed.token_ids for feed in ordered], logits_at, shapes)
 
 
 def run_batch(batch: PackedBatch, device: torch.device | str) -> tuple[list[torch.Tensor], float]:
@@ -76,3 +85,34 @@ def group_by_model(
     if id(target) in groups:
         ordered.append(groups[id(target)])
     return ordered
+
+
+def run_to_end(
+    model: torch.nn.Module,
+    rounds: list[Generator[Feed, torch.Tensor, Result]],
+    on_forward: Callable[[PackedBatch, float], None] | None = None,
+) -> list[Result]:
+    """Run coroutines of feeds on one set of weights until each returns (a drafter's drafts outside the
+    engine): every forward packs the next feed of each one still running. `on_forward` is told each
+    forward and its seconds. Returns each coroutine's value, in order."""
+    results: dict[int, Result] = {}
+    feeds: dict[int, Feed] = {}
+
+    def resume(index: int, logits: torch.Tensor | None) -> None:
+        try:
+            feeds[index] = next(rounds[index]) if logits is None else rounds[index].send(logits)
+        except StopIteration as stop:
+            feeds.pop(index, None)
+            results[index] = stop.value
+
+    for index in range(len(rounds)):
+        resume(index, None)
+    while feeds:
+        order = {id(feed): index for index, feed in feeds.items()}
+        batch = pack(model, list(feeds.values()))
+        logits, seconds = run_batch(batch, model.device)  # type: ignore[arg-type]
+        if on_forward is not None:
+            on_forward(batch, seconds)
+        for feed, feed_logits in zip(batch.feeds, logits, strict=True):
+            resume(order[id(feed)], feed_logits)
+    return [results[index] for index in range(len(rounds))]

@@ -83,8 +83,6 @@ class Decoder:
         verified = False
         for model, group in group_by_model(feeds, self.target):  # type: ignore[arg-type]
             batch = pack(model, group)
-            shapes = [SegmentShape(segment.num_tokens, segment.cache.layers[0].lengths[0])  # type: ignore[attr-defined]
-                      for segment in batch.segments]
             waited = self.tier_wait_s()
             try:
                 logits, seconds = run_batch(batch, model.device)  # type: ignore[arg-type]
@@ -93,7 +91,8 @@ class Decoder:
                     fail(owners[id(feed)], error)
                 continue
             if lossless:
-                observed.append((self._weights_of(model), shapes, max(seconds - (self.tier_wait_s() - waited), 0.0)))
+                observed.append((self._weights_of(model), batch.shapes,
+                                 max(seconds - (self.tier_wait_s() - waited), 0.0)))
                 self.figures.forward(seconds, verifying=len(batch.feeds) > batch.num_drafting)
             for feed, feed_logits in zip(batch.feeds, logits, strict=True):
                 sequence = owners[id(feed)]

@@ -15,7 +15,9 @@ come with their request ids and vLLM's pages (`kvlab.integrations.vllm.handover`
   (`observes_every_query`: H2O, query-agnostic SnapKV) has its prompts prefilled by the drafter;
 - the tokens vLLM accepted reach the draft cache from the pages, not from a catch-up forward;
 - draft caches are kept by request id and freed when vLLM says the request finished;
-- the draft forwards of all rows run packed: one forward per draft position reads the weights once;
+- the drafts are kvlab's own drafters' (`CompressedCacheDrafter`'s rounds, `PromptLookup`'s offers; the
+  proposer only adapts a row to them: `DraftRow`), the rows' rounds packed (`kvlab.engine.runner`): one
+  forward per draft position reads the weights once;
 - each step, kvlab's planner chooses for every row together (`sources.py`): its prompt lookup's
   continuation (no forward, with an `ngram+<compressor>` drafter), a round from the compressed cache of
   the length that pays most (the rows drafting together split each draft forward, costed by kvlab's
@@ -36,6 +38,7 @@ proposer nothing but its config. Prompts' windows and prefills always run with t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -44,15 +47,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvlab.cache import Segment, run_packed
+from kvlab.cache import KVCache
 from kvlab.compress import Compressor, compressors
+from kvlab.engine.runner import PackedBatch, pack, run_batch, run_to_end
 from kvlab.errors import ConfigError
+from kvlab.generation.config import GenerationConfig
+from kvlab.generation.feed import Feed
 from kvlab.integrations.vllm.adoption import DraftSequence, HandoverMismatch, ProposerStats, SequenceBuilder
 from kvlab.integrations.vllm.handover import BOARD, LayerKV, StepHandover, engine_key
 from kvlab.integrations.vllm.model import served_model, transformers_model
 from kvlab.integrations.vllm.sources import CACHE, LOOKUP, StepCosts, plan_rows, running_mean
-from kvlab.lossless.cost_model import SegmentShape
-from kvlab.lossless.prompt_lookup import PromptLookup, find_continuation, split_drafter_name
+from kvlab.lossless.compressed_cache import CompressedCacheDrafter
+from kvlab.lossless.drafter import Offer
+from kvlab.lossless.prompt_lookup import PromptLookup, split_drafter_name
 from kvlab.models import LoadedModel
 from kvlab.models.draft_weights import DRAFT_WEIGHTS, DraftWeights, draft_model
 from kvlab.timing import Stopwatch
@@ -71,6 +78,8 @@ DEFAULT_DRAFTER: dict[str, Any] = {"name": "snapkv"}
 # Sequences kept without being seen in a step when they are found by token prefix (no request ids):
 # a preempted request that comes back finds its cache.
 _MAX_IDLE_SEQUENCES = 8
+# vLLM verifies greedy drafts: the drafter draws the argmax (the length limit is vLLM's, not this one's).
+GREEDY = GenerationConfig(max_new_tokens=1 << 30, temperature=0.0)
 
 
 def drafter_from_environment() -> tuple[Compressor, PromptLookup | None]:
@@ -264,10 +273,12 @@ class KVLabDraftProposer:
         return best
 
     def _draft(self, sequences: list[DraftSequence], histories: list[np.ndarray]) -> list[list[int]]:
-        """Each row's drafts, as kvlab's planner chose them for the whole step (`sources.plan_rows`)."""
+        """Each row's drafts, as kvlab's planner chose them for the whole step (`sources.plan_rows`), from
+        kvlab's drafters (prompt lookup's offer; the compressed cache's rounds, packed across rows)."""
         k = self.num_speculative_tokens
-        lookups = [find_continuation(history.tolist(), k, self.lookup) if self.lookup is not None else []
-                   for history in histories]
+        rows = [DraftRow(history, sequence.cache) for sequence, history in zip(sequences, histories, strict=True)]
+        offers = [self.lookup.offer(row, row, k) if self.lookup is not None else None for row in rows]
+        lookups = [offer.token_ids or [] if offer is not None else [] for offer in offers]
         cached = [int(sequence.cache.layers[0].lengths[0]) for sequence in sequences]  # type: ignore[attr-defined]
         # `fixed`: costs never measured, so every row takes its lookup where it has one, else the cache, at k.
         costs = self.costs if self.draft_length == "auto" else StepCosts(self.draft_weights)
@@ -279,7 +290,7 @@ class KVLabDraftProposer:
                 self.stats.num_lookup_rounds += 1
                 self.stats.num_lookup_draft_tokens += len(drafts[index])
         cache_rows = [index for index, plan in enumerate(plans) if plan.source == CACHE]
-        from_cache = self._draft_from_caches([sequences[i] for i in cache_rows], [histories[i] for i in cache_rows],
+        from_cache = self._draft_from_caches([sequences[i] for i in cache_rows], [rows[i] for i in cache_rows],
                                              [plans[i].num_draft_tokens for i in cache_rows])
         for index, drafted in zip(cache_rows, from_cache, strict=True):
             drafts[index] = drafted
@@ -288,60 +299,78 @@ class KVLabDraftProposer:
         self.stats.num_plain_rows += sum(plan.source is None for plan in plans)
         return drafts
 
-    def _draft_from_caches(self, sequences: list[DraftSequence], histories: list[np.ndarray],
+    def _draft_from_caches(self, sequences: list[DraftSequence], rows: list[DraftRow],
                            lengths: list[int]) -> list[list[int]]:
-        """Feed each history's tokens its cache lacks, draft `lengths[row]` greedy tokens (one packed forward
-        per draft position for the rows still drafting), then drop the drafts' KV again."""
+        """The history tokens each cache lacks (what vLLM accepted) reach it in one packed forward, whose
+        logits start kvlab's compressed-cache drafter's rounds (`lengths[row]` greedy drafts each, packed
+        across rows); the drafts' KV is dropped again after."""
         if not sequences:
             return []
         assert self.model is not None
         model = draft_model(self.model.model, self.draft_weights)
         clock = Stopwatch(self.model.device)
-        feeds = [history[sequence.cache.seq_lengths[0]:].tolist() for sequence, history in zip(sequences, histories,
-                                                                                                 strict=True)]
         captured: list[LayerKV] = [[] for _ in sequences]
-        drafted = [[token] for token in self._packed_argmax(model, sequences, feeds, captured)]
-        for sequence, layer_kv in zip(sequences, captured, strict=True):
+        catch_up = [Feed(row.draft, row.history[row.draft.seq_lengths[0]:].tolist(), drafting=True,
+                         captured=layer_kv) for row, layer_kv in zip(rows, captured, strict=True)]
+        batch = pack(model, catch_up)
+        logits, seconds = run_batch(batch, model.device)
+        self._observe(batch, seconds)
+        by_feed = {id(feed): row_logits for feed, row_logits in zip(batch.feeds, logits, strict=True)}
+        for sequence, row, feed, layer_kv in zip(sequences, rows, catch_up, captured, strict=True):
             keys, values = layer_kv[0]
             sequence.last_kv = (keys[:, :, -1:].clone(), values[:, :, -1:].clone())
-        self.stats.num_catch_up_tokens += sum(len(feed) for feed in feeds)
-        caches = [sequence.cache for sequence in sequences]
+            row.draft_logits = by_feed[id(feed)]
+        self.stats.num_catch_up_tokens += sum(len(feed.token_ids) for feed in catch_up)
+        drafter = CompressedCacheDrafter(self.draft_weights)
         # Drafted tokens are provisional: a compressed layer never compresses what is rolled back.
-        for cache in caches:
-            cache.set_provisional(True)
+        for row in rows:
+            row.draft.set_provisional(True)
         try:
-            for position in range(1, max(lengths)):
-                rows = [row for row, length in enumerate(lengths) if length > position]
-                next_tokens = self._packed_argmax(model, [sequences[row] for row in rows],
-                                                  [[drafted[row][-1]] for row in rows])
-                for row, token in zip(rows, next_tokens, strict=True):
-                    drafted[row].append(token)
-            for cache, length in zip(caches, lengths, strict=True):
-                cache.drop_last(length - 1)
+            proposals = run_to_end(model, [drafter.draft(row, row, Offer(drafter, length), length)
+                                           for row, length in zip(rows, lengths, strict=True)], self._observe)
+            for row, proposal in zip(rows, proposals, strict=True):
+                row.draft.drop_last(proposal.num_fed)
         finally:
-            for cache in caches:
-                cache.set_provisional(False)
-        for sequence, history in zip(sequences, histories, strict=True):
-            sequence.token_ids = history.copy()
+            for row in rows:
+                row.draft.set_provisional(False)
+        for sequence, row in zip(sequences, rows, strict=True):
+            sequence.token_ids = row.history.copy()
         self.stats.draft_s += clock.elapsed()
-        self.stats.num_draft_tokens += sum(len(tokens) for tokens in drafted)
-        return drafted
+        self.stats.num_draft_tokens += sum(len(proposal.token_ids) for proposal in proposals)
+        return [proposal.token_ids for proposal in proposals]
 
-    def _packed_argmax(
-        self, model: Any, sequences: list[DraftSequence], feeds: list[list[int]], captured: list[LayerKV] | None = None
-    ) -> list[int]:
-        """One packed forward of every row's `feeds` (their KV appended to `captured[row]` when given);
-        each row's greedy next token."""
-        kept: list[LayerKV | None] = list(captured) if captured is not None else [None] * len(sequences)
-        segments = [Segment(sequence.cache, len(feed), layer_kv)
-                    for sequence, feed, layer_kv in zip(sequences, feeds, kept, strict=True)]
-        ends = np.cumsum([len(feed) for feed in feeds]) - 1
-        shapes = [SegmentShape(len(feed), sequence.cache.layers[0].lengths[0])  # type: ignore[attr-defined]
-                  for sequence, feed in zip(sequences, feeds, strict=True)]
-        clock = Stopwatch(self.model.device if self.model is not None else "cpu")
-        with torch.inference_mode():
-            logits = run_packed(model, segments, feeds, ends.tolist())
-        self.costs.draft.observe_tick([(self.draft_weights, shapes, clock.elapsed())])
+    def _observe(self, batch: PackedBatch, seconds: float) -> None:
+        """A packed draft forward: kvlab's cost model of them sees it."""
+        self.costs.draft.observe_tick([(self.draft_weights, batch.shapes, seconds)])
         self.stats.num_draft_forwards += 1
-        return logits.argmax(dim=-1).tolist()
 
+
+@dataclasses.dataclass(slots=True)
+class DraftRow:
+    """A vLLM row as kvlab's drafters see a lossless sequence (`RoundHost` and `RoundState`): its history,
+    its draft cache, and the logits that predict its first draft once the cache holds the history.
+
+    Attributes:
+        history: [n] int64 token ids of the row (the tokens vLLM accepted included).
+        draft: The row's compressed draft cache.
+        draft_logits: [1, V] logits predicting the first draft (set after the catch-up forward).
+    """
+
+    history: np.ndarray
+    draft: KVCache
+    draft_logits: torch.Tensor | None = None
+    pending: list[int] = dataclasses.field(default_factory=list)  # nothing past the history: vLLM verifies
+    draft_missing: int = 0
+    full: None = None  # vLLM holds the full KV
+    in_transit: bool = False
+    config: GenerationConfig = GREEDY
+    generator: torch.Generator | None = None
+
+    def context_ids(self) -> list[int]:
+        return [int(token) for token in self.history]
+
+    def remaining(self) -> int:
+        return GREEDY.max_new_tokens  # vLLM stops the request; the proposer only drafts
+
+    def emit(self, token_ids: list[int]) -> bool:
+        raise NotImplementedError("vLLM emits a row's tokens; kvlab's drafters only propose")
