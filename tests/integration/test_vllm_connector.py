@@ -256,3 +256,25 @@ def test_without_a_store_the_connector_only_hands_over_and_prefix_settings_need_
         prefix_cache_for(config({"chunk_tokens": 64}))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="unknown key 'stor'"):
         prefix_cache_for(config({"stor": "redis://x"}))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("multiprocessing", "scheme", "warned"),
+                         [("1", "memory", True), ("0", "memory", False), ("1", "file", False)])
+def test_a_process_local_store_where_vllm_runs_the_connector_in_two_processes_says_nothing_will_be_restored(
+    multiprocessing: str, scheme: str, warned: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import types
+
+    from kvlab.integrations.vllm.connector import prefix_cache_for
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", multiprocessing)
+    url = "memory://" if scheme == "memory" else f"file://{tmp_path}"
+    config = types.SimpleNamespace(
+        kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config={"store": url}),
+        model_config=types.SimpleNamespace(model=model_directory(), dtype=torch.float32),
+    )
+    with caplog.at_level(logging.WARNING, logger="kvlab.integrations.vllm.connector"):
+        assert prefix_cache_for(config) is not None  # type: ignore[arg-type]
+    said = [record.getMessage() for record in caplog.records if "nothing saved will be restored" in record.getMessage()]
+    assert len(said) == int(warned), said

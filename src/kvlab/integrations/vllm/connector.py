@@ -27,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -132,6 +133,12 @@ def prefix_cache_for(vllm_config: VllmConfig) -> PrefixCache | None:
     for name in ("write", "fetch"):
         if name in extra:
             extra[name] = tuple(extra[name])
+    if url.startswith("memory://") and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
+        # Found under `vllm serve`: the same prompt sent twice restored nothing with memory://, 192 tokens
+        # with file://.
+        logger.warning("KVLabConnector: %s lives in one process, but this vLLM runs the connector's scheduler "
+                       "side (which fetches) and worker side (which saves) in separate ones: nothing saved will "
+                       "be restored; use a file:// or redis:// store", url)
     config = PrefixConfig(**extra)
     directory, dtype = served_model(vllm_config)
     identity, raw_bytes_per_token, geometry = prefix_parameters(directory, dtype, config.chunk_tokens)
