@@ -63,6 +63,10 @@ class Decoder:
         self.planner.batch.num_running = len(running)
         self.planner.costs.link_bytes_per_s = self.link_bytes_per_s()
         self._calibrate_batch(running)
+        # Sequences starting their rounds now plan them together (`RoundPlanner.start_group`), and so do
+        # those whose verifies or plain steps this tick runs, as their logits come back.
+        self.planner.start_group([(sequence, sequence.lossless) for sequence in running
+                                  if sequence.lossless is not None and not sequence.primed])
         for sequence in running:
             try:
                 sequence.prime()
@@ -81,6 +85,8 @@ class Decoder:
         lossless = any(sequence.lossless is not None for sequence in running)
         observed: list[tuple[str, list[SegmentShape], float]] = []
         verified = False
+        self.planner.start_group([(sequence, sequence.lossless) for sequence in running if sequence.lossless
+                                  is not None and sequence.feed is not None and not sequence.feed.drafting])
         for model, group in group_by_model(feeds, self.target):  # type: ignore[arg-type]
             batch = pack(model, group)
             waited = self.tier_wait_s()

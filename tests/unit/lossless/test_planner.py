@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from kvlab.compress import create_compressor
+from kvlab.cache import Segment
 from kvlab.engine import Engine, Request
+from kvlab.engine import runner as engine_runner
+from kvlab.engine import tick as engine_tick
 from kvlab.generation import GenerationConfig, reference_generate
 from kvlab.generation.feed import Feed, RoundHost
 from kvlab.lossless import LosslessConfig, PromptLookup
@@ -204,6 +207,44 @@ def test_the_planner_drafts_long_when_drafts_are_always_accepted_and_cheap(
         # Every draft accepted: the rounds grow (the first is short: the drafter's prior is only a prior).
         assert stats.acceptance_length > 5 and max(stats.num_draft_tokens_per_round) >= 8, \
             stats.num_draft_tokens_per_round
+
+
+def test_sequences_planning_together_draft_and_verify_in_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four sequences whose drafts are accepted unevenly (the model on their own compressed caches) take one
+    length together each time they plan together: no tick drafts for some while it verifies others, so the
+    group's draft forwards and verifies stay shared. Every output is the plain output."""
+    prompts = [_prompts(48 + 5 * row)[0] for row in range(4)]
+    config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    lossless = LosslessConfig(create_compressor("streamingllm", budget=8), "auto", draft_weights="bf16")
+    engine = Engine(tiny_llama(num_kv_heads=2))
+    engine.planner.costs = DraftCosts(draft_s=0.002, cheap_draft_s=0.002, step_s=0.05)
+    ticks: list[list[tuple[bool, int]]] = []  # per tick, per forward: (on the served weights, its longest segment)
+    original_tick, original_run = engine_tick.Decoder.tick, engine_runner.run_packed
+
+    def recording_tick(decoder: engine_tick.Decoder, *args: object) -> object:
+        ticks.append([])
+        return original_tick(decoder, *args)  # type: ignore[arg-type]
+
+    def recording_run(model: object, segments: list[Segment], token_ids: list[list[int]],
+                      logits_at: list[int]) -> torch.Tensor:
+        ticks[-1].append((model is engine.loaded.model, max(segment.num_tokens for segment in segments)))
+        return original_run(model, segments, token_ids, logits_at)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine_tick.Decoder, "tick", recording_tick)
+    monkeypatch.setattr(engine_runner, "run_packed", recording_run)
+    ids = [engine.add_request(Request(prompt, config, lossless=lossless)) for prompt in prompts]
+    while engine.has_work():
+        engine.step()
+    expected = reference_generate(engine.loaded, prompts, config)
+    for request_id, reference in zip(ids, expected.requests, strict=True):
+        assert engine.output(request_id).token_ids == reference.token_ids
+    drafted = [tick for tick in ticks if any(not served for served, _ in tick)]
+    assert len(drafted) > 5, "the scripted costs should make drafting pay"
+    lengths = [stats.num_draft_tokens_per_round for stats in map(engine.round_stats, ids) if stats is not None]
+    assert len({tuple(rounds[:3]) for rounds in lengths}) == 1, lengths  # the first rounds: one length for all
+    # Only where a sequence's remaining tokens cap its round (its last ones) does it verify before the others.
+    mixed = [tick for tick in drafted if any(served and longest > 1 for served, longest in tick)]
+    assert len(mixed) <= len(prompts), f"ticks that drafted for some sequences while verifying others: {mixed}"
 
 
 @pytest.mark.parametrize("name", sorted(DRAFTERS))
