@@ -286,13 +286,17 @@ class RoundPlanner:
                                self.optimism if fixed is None else 0.0)
         return RoundPlan(offer, choice.num_draft_tokens, choice.expected_tokens, choice.seconds, plain_s)
 
-    def _round_costs(self, state: PlannedState, offer: Offer) -> Callable[[int], float]:
-        """Seconds a round of `state` drafting k tokens of `offer` costs it, as a function of k."""
+    def _round_costs(self, state: PlannedState, offer: Offer, num_in_step: int = 1) -> Callable[[int], float]:
+        """Seconds a round of `state` drafting k tokens of `offer` costs it, as a function of k, when it drafts
+        in step with `num_in_step` sequences (itself included) that share its draft forwards."""
         draft_s = 0.0
         if offer.weights is not None:
             draft = SegmentShape(1, offer.num_cached)
-            draft_s = self.costs.share_s(offer.weights, draft, self.batch.num_sharing(offer.weights, state))
-            if offer.weights != "same" and self.batch.num_running > 1:
+            sharing = self.batch.num_sharing(offer.weights, state)
+            if offer.weights != "same":  # the served weights' forward already counts every running sequence
+                sharing += num_in_step - 1
+            draft_s = self.costs.share_s(offer.weights, draft, sharing)
+            if offer.weights != "same" and self.batch.num_running > num_in_step:
                 # The served weights' forward runs each tick for the others anyway: a row drafting on its own
                 # weights leaves its share of that forward's fixed cost to them (their rounds out of step).
                 draft_s += self.costs.share_s("same", SegmentShape(0, 0), self.batch.num_running)
@@ -328,7 +332,9 @@ class RoundPlanner:
             return plain_rates
         group_plain_s = sum(plain_s for _, _, plain_s in rows)
         longest = max(offer.max_tokens for _, offer, _ in drafting)  # type: ignore[union-attr]
-        costs = [self._round_costs(state, offer) for state, offer, _ in drafting]  # type: ignore[arg-type]
+        # Drafting in step, the members share their draft forwards (on their own weights: the served forward
+        # then runs only where others keep it running).
+        costs = [self._round_costs(state, offer, len(drafting)) for state, offer, _ in drafting]  # type: ignore[arg-type]
         # The group's tokens are a sum over its members: its optimistic bound is the sum's, one standard
         # deviation of which is sqrt(n) of one member's, not n of them (members' acceptances taken independent).
         optimism = self.optimism / math.sqrt(len(drafting))
