@@ -14,8 +14,10 @@ with a cheaper copy for theirs) plus the segment's own work (a draft on a cheape
 sequences also keeps its share of the served weights' fixed cost: their forward runs every tick anyway,
 the rounds of a batch being out of step), and `link_s` is its full KV over a
 slower tier's link (0 in memory). The planner takes the source and k with the most tokens per second,
-E(k) / round_s(k), or a plain step (k = 0) where 1 / plain_s is more: summed over a batch, each
-sequence taking its best share is what maximizes the batch's tokens per second (goodput).
+E(k) / round_s(k), or a plain step (k = 0) where 1 / plain_s is more. Sequences that start their rounds
+in the same tick drafting from their compressed cache alone are planned as a group (`start_group`): one
+length for all, the one with the most summed tokens over summed seconds (the batch's goodput, as SmartSpec
+plans a batch step), so their draft forwards stay shared and their verifies land together.
 
 Exploration is in the estimate, not in timed windows. Whether to draft at all is decided with each
 a_i at its posterior mean plus `optimism` standard deviations; the length with half that optimism. So
@@ -320,7 +322,7 @@ class RoundPlanner:
         over their summed shares (SmartSpec's goodput of a batch step). Drafting in step keeps the group's
         draft ticks cheap and its verifies together: a member drafting while the others step plainly would need
         more ticks than they do and finish alone, with nobody to share the weights' read (measured at 8K, batch
-        8: rounds out of step, 0.59x plain, a third of the time in ticks of fewer than eight)."""
+        8: rounds out of step, 0.59x plain, two fifths of the time in ticks of fewer than eight)."""
         rows = []
         for host, state in members:
             limit = max(min(state.settings.max_num_draft_tokens, host.remaining() - 1), 0)
