@@ -10,8 +10,8 @@ from collections.abc import Generator
 import pytest
 import torch
 
-from kvlab.compress import create_compressor
 from kvlab.cache import Segment
+from kvlab.compress import create_compressor
 from kvlab.engine import Engine, Request
 from kvlab.engine import runner as engine_runner
 from kvlab.engine import tick as engine_tick
