@@ -17,11 +17,8 @@ DECODING_NAMES = {"kvlab.cache": {"run_packed", "run_step", "forward", "ForwardS
 # (module, name): why it is not decoding beside the engine.
 EXEMPT = {
     ("kvlab.bench.codec.harness", "forward"): "captures a prompt's KV for the codec benchmark; it decodes nothing",
-    # Inside vLLM, vLLM's engine decodes and verifies; the proposer only drafts, in kvlab's own model copy
-    # (vLLM's module cannot attend over a kvlab cache): packed draft forwards for the batch's rows, and the
-    # last prompt tokens computed over KV handed over from vLLM's pages (docs/vllm.md).
-    ("kvlab.integrations.vllm.proposer", "Segment"): "the rows of a packed draft forward inside vLLM",
-    ("kvlab.integrations.vllm.proposer", "run_packed"): "one draft forward for every row inside vLLM",
+    # Inside vLLM, vLLM's engine decodes and verifies; the proposer drafts through kvlab's engine runner and
+    # drafters, and computes the last prompt tokens over KV handed over from vLLM's pages (docs/vllm.md).
     ("kvlab.integrations.vllm.adoption", "ForwardStep"): "a prompt's last tokens over KV handed over by vLLM",
     ("kvlab.integrations.vllm.adoption", "run_step"): "a prompt's last tokens over KV handed over by vLLM",
 }

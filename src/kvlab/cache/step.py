@@ -127,16 +127,12 @@ class Segment:
         cache: The sequence's cache (a batch of one row); its stored tokens precede the segment's.
         num_tokens: Tokens this segment feeds.
         captured: When a list, each layer's new keys/values ([1, H_kv, q, D]) are appended to it.
-        paired: A second one-row cache given the same new keys/values (a lossless prompt's draft cache,
-            prefilled by the same forward as its full cache).
-        compress: The segment completes the prompt: compressed layers (of `cache` and `paired`) compress
-            it afterwards.
+        compress: The segment completes the prompt: compressed layers compress it afterwards.
     """
 
     cache: KVCache
     num_tokens: int
     captured: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    paired: KVCache | None = None
     compress: bool = False
 
 
@@ -168,13 +164,8 @@ class PackedStep:
             layer.append(keys, values)
             segment_queries = queries[:, :, start:end]
             outputs.append(layer.attend_newest(segment_queries, positions, scaling, softcap))
-            paired = None if segment.paired is None else segment.paired.layers[layer_idx]
-            if paired is not None:
-                paired.append(keys, values)
             if segment.compress:
                 layer.compress_prompt(segment_queries, scaling, layer_idx)
-                if paired is not None:
-                    paired.compress_prompt(segment_queries, scaling, layer_idx)
             start = end
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
@@ -206,6 +197,4 @@ def run_packed(
     )
     for segment in segments:
         segment.cache.advance(segment.num_tokens)
-        if segment.paired is not None:
-            segment.paired.advance(segment.num_tokens)
     return output.logits[0]

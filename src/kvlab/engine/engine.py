@@ -2,11 +2,9 @@
 
 `add_request` queues a request; each `step` admits what fits, prefills (a piece, or whole prompts),
 then runs one tick (`kvlab.engine.tick`): every running sequence's next feed, packed into one forward
-per set of weights; an interleaved prefill's piece joins the served weights' forward (unless its
-prompt saves to or restores from a prefix store: `PromptPrefill.packable`). Lossless sequences draft
-and verify on their own schedules (`kvlab.lossless.round`), each round planned by the scheduler's
-planner (`kvlab.lossless.planner`); plain and lossy ones take one token per tick
-(`kvlab.generation.feed`). The run's figures are kept in `kvlab.engine.figures`.
+per set of weights. Lossless sequences draft and verify on their own schedules (`kvlab.lossless.round`),
+each round planned by the scheduler's planner (`kvlab.lossless.planner`); plain and lossy ones take
+one token per tick (`kvlab.generation.feed`). The run's figures are kept in `kvlab.engine.figures`.
 A failure in one request's work fails that request alone (stop reason "error"); a failing forward fails
 the sequences it carried. The engine is not thread-safe: one thread drives it (a server wraps it in queues).
 """
@@ -115,12 +113,11 @@ class Engine:
     def step(self) -> list[int]:
         """Admit, prefill, then one decoding tick; returns the ids of requests that stopped or failed."""
         finished: list[Sequence] = []
-        pieces: list[Sequence] = []  # prefilling sequences whose next piece shares this tick's forward
         self.scheduler.admit()
         for sequence in self.scheduler.to_prefill():
-            self._prefill(sequence, pieces, finished)
-        if self.scheduler.running or pieces:
-            self._decode(pieces, finished)
+            self._prefill(sequence, finished)
+        if self.scheduler.running:
+            self._decode(finished)
         return [sequence.id for sequence in finished]
 
     def cancel(self, request_id: int) -> None:
@@ -198,9 +195,8 @@ class Engine:
 
     # ----- prefill and admission
 
-    def _prefill(self, sequence: Sequence, pieces: list[Sequence], finished: list[Sequence]) -> None:
-        """Prefill a piece of `sequence` (every piece offline); once done it starts decoding. Interleaved, a
-        piece that may share a forward goes into this tick's (`pieces`) instead of one of its own."""
+    def _prefill(self, sequence: Sequence, finished: list[Sequence]) -> None:
+        """Prefill a piece of `sequence` (every piece offline); once done it starts decoding."""
         try:
             if sequence.prefilled is not None:
                 self._start_decoding(sequence, sequence.prefilled, finished)
@@ -216,21 +212,16 @@ class Engine:
             while not job.done:
                 if self.callbacks.on_prefill_piece is not None:
                     self.callbacks.on_prefill_piece(sequence.id, job.next_piece_tokens)
-                if self.config.interleave_prefill and job.packable:
-                    pieces.append(sequence)
-                    return
                 job.step()
                 if self.config.interleave_prefill and not job.done:
                     return
-            self._prefilled(sequence, finished)
+            assert job.logits is not None
+            sequence.prompt_logprobs = job.prompt_logprobs
+            self._start_decoding(
+                sequence, PrefilledPrompt(job.cache, job.draft, job.logits, job.reused_tokens), finished
+            )
         except Exception as error:  # one request's failure is that request's alone
             self._fail(sequence, error, finished)
-
-    def _prefilled(self, sequence: Sequence, finished: list[Sequence]) -> None:
-        job = sequence.prefill
-        assert job is not None and job.logits is not None
-        sequence.prompt_logprobs = job.prompt_logprobs
-        self._start_decoding(sequence, PrefilledPrompt(job.cache, job.draft, job.logits, job.reused_tokens), finished)
 
     def _new_prefill(self, sequence: Sequence) -> PromptPrefill:
         request, lossless = sequence.request, sequence.request.lossless
@@ -315,22 +306,14 @@ class Engine:
 
     # ----- decoding
 
-    def _decode(self, pieces: list[Sequence], finished: list[Sequence]) -> None:
-        """One tick (`kvlab.engine.tick`) with `pieces` packed in, then the stopped sequences finish and the
-        prefilled ones start decoding."""
+    def _decode(self, finished: list[Sequence]) -> None:
+        """One tick (`kvlab.engine.tick`), then the stopped sequences finish."""
         running = list(self.scheduler.running)
-        stopped, verified = self._decoder.tick(running, pieces, lambda sequence, error: self._fail(sequence, error,
-                                                                                                   finished))
+        stopped, verified = self._decoder.tick(running, lambda sequence, error: self._fail(sequence, error, finished))
         if verified or stopped:  # draft caches only grow by the exact KV a verify hands them
             self.figures.record_caches([s for s in running if s.status is Status.RUNNING])
         for sequence in stopped:
             self._finish(sequence, finished)
-        for sequence in pieces:
-            if sequence.status is Status.PREFILLING and sequence.prefill is not None and sequence.prefill.done:
-                try:
-                    self._prefilled(sequence, finished)
-                except Exception as error:  # one request's failure is that request's alone
-                    self._fail(sequence, error, finished)
 
     # ----- bookkeeping
 

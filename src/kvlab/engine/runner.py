@@ -53,7 +53,7 @@ def pack(model: torch.nn.Module, feeds: list[Feed]) -> PackedBatch:
     logits_at: list[int] = []
     end = 0
     for feed in ordered:
-        segments.append(Segment(feed.cache, len(feed.token_ids), feed.captured, feed.paired, feed.compress))
+        segments.append(Segment(feed.cache, len(feed.token_ids), captured=feed.captured))
         end += len(feed.token_ids)
         logits_at.extend(range(end - feed.num_logits, end))
     shapes = [SegmentShape(segment.num_tokens, segment.cache.layers[0].lengths[0])  # type: ignore[attr-defined]

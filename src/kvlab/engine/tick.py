@@ -1,10 +1,9 @@
 """One decoding tick: every running sequence's next feed, packed into one forward per set of weights.
 
 Forwards on a drafter's own weights (bf16, int8, int4) run first, then the served weights' forward
-with every verify, plain step, same-weight draft and interleaved prefill piece. Each forward's
-seconds, less what it waited for a slower tier, go to the planner's cost model with the shapes of its
-segments; a failing forward fails the sequences it carried, and a failure in one sequence's own work
-fails that sequence alone.
+with every verify, plain step and same-weight draft. Each forward's seconds, less what it waited for
+a slower tier, go to the planner's cost model with the shapes of its segments; a failing forward
+fails the sequences it carried, and a failure in one sequence's own work fails that sequence alone.
 """
 
 from __future__ import annotations
@@ -55,10 +54,9 @@ class Decoder:
         rates = [rate for loader in self.loaders.values() if (rate := loader.bytes_per_s()) is not None]
         return min(rates) if rates else None
 
-    def tick(self, running: list[Sequence], pieces: list[Sequence], fail: Fail) -> tuple[list[Sequence], bool]:
-        """One tick over `running`, with the next prefill piece of each of `pieces` packed into the served
-        weights' forward; returns the sequences whose rounds ended (they stopped), and whether a lossless
-        sequence verified (its draft cache then grew by the exact KV the verify handed it)."""
+    def tick(self, running: list[Sequence], fail: Fail) -> tuple[list[Sequence], bool]:
+        """One tick over `running`; returns the sequences whose rounds ended (they stopped), and whether a
+        lossless sequence verified (its draft cache then grew by the exact KV the verify handed it)."""
         # What rounds planned in this tick see: this batch and the tier's link.
         self.planner.batch.num_running = len(running)
         self.planner.costs.link_bytes_per_s = self.link_bytes_per_s()
@@ -75,13 +73,6 @@ class Decoder:
         running = [sequence for sequence in running if sequence.status is Status.RUNNING]
         owners = {id(sequence.feed): sequence for sequence in running}
         feeds = [(self._model_for(sequence), sequence.feed) for sequence in running if sequence.feed is not None]
-        prefilling: set[int] = set()  # ids of the prefill pieces' feeds
-        for sequence in pieces:
-            assert sequence.prefill is not None
-            piece = sequence.prefill.feed()
-            owners[id(piece)] = sequence
-            prefilling.add(id(piece))
-            feeds.append((self.target, piece))
         lossless = any(sequence.lossless is not None for sequence in running)
         observed: list[tuple[str, list[SegmentShape], float]] = []
         verified = False
@@ -104,10 +95,7 @@ class Decoder:
                 sequence = owners[id(feed)]
                 verified |= sequence.lossless is not None and not feed.drafting
                 try:
-                    if id(feed) in prefilling:
-                        sequence.prefill.take(feed_logits)  # type: ignore[union-attr]
-                    else:
-                        sequence.advance(feed_logits)
+                    sequence.advance(feed_logits)
                 except Exception as error:  # one request's failure is that request's alone
                     fail(sequence, error)
         if observed:

@@ -31,10 +31,6 @@ class Feed:
         drafting: The forward drafts (it runs on the drafter's weights; its cost counts as drafting).
         num_logits: Logits wanted for the last this-many tokens ([num_logits, V] is sent back).
         captured: When a list, each layer's new keys/values ([1, H_kv, q, D]) are appended to it.
-        paired: A second cache given the same new keys/values (a lossless prompt's draft cache, filled by
-            the prefill's forwards).
-        compress: The tokens complete a prompt: compressed layers (of `cache` and `paired`) compress it
-            after attending.
     """
 
     cache: KVCache
@@ -42,8 +38,6 @@ class Feed:
     drafting: bool = False
     num_logits: int = 1
     captured: LayerKV | None = None
-    paired: KVCache | None = None
-    compress: bool = False
 
 
 Rounds = Generator[Feed, torch.Tensor, None]

@@ -15,7 +15,6 @@ import torch
 from kvlab.cache import ForwardStep, KVCache, PairedPrefillStep, run_step
 from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
-from kvlab.generation.feed import Feed
 from kvlab.generation.logprobs import TokenLogprobs, score_tokens
 from kvlab.generation.outputs import GenerationStats
 from kvlab.models import LoadedModel
@@ -172,27 +171,10 @@ class PromptPrefill:
         """Tokens the next `step()` computes (0 when done)."""
         return self.pieces[0][1] - self.pieces[0][0] if self.pieces else 0
 
-    @property
-    def packable(self) -> bool:
-        """Whether its pieces may share a forward with other sequences' feeds (`feed`, then `take`). A prompt
-        that saves to or restores from a prefix store computes its pieces on their own: a stored chunk must be
-        exactly what recomputing it gives, and kernels block differently with other tokens beside it."""
-        return self.prefix is None
-
-    def feed(self) -> Feed:
-        """The next piece as a feed to pack beside other sequences' (`take` is handed its logits)."""
-        begin, end = self.pieces[0]
-        last = len(self.pieces) == 1
-        num_logits = end - begin if self.prompt_logprobs is not None else 1
-        if self.draft is None:
-            return Feed(self.cache, self.prompt[begin:end], num_logits=num_logits,
-                        compress=self.compressor is not None and last)
-        return Feed(self.cache, self.prompt[begin:end], num_logits=num_logits, paired=self.draft, compress=last)
-
     def step(self) -> None:
-        """Compute the next piece of the prompt in a forward of its own (the last one also yields `logits`)."""
-        begin, end = self.pieces[0]
-        last = len(self.pieces) == 1
+        """Compute the next piece of the prompt (the last one also yields `logits`)."""
+        begin, end = self.pieces.pop(0)
+        last = not self.pieces
         cache, draft, loaded = self.cache, self.draft, self.loaded
         positions = cache.next_positions(end - begin, loaded.device)
         captured: list[tuple[torch.Tensor, torch.Tensor]] | None = None if self.prefix is None else []
@@ -205,23 +187,19 @@ class PromptPrefill:
         clock = Stopwatch(loaded.device)
         scoring = self.prompt_logprobs is not None
         all_logits = run_step(loaded.model, step, input_ids, logits_to_keep=0 if scoring else 1)
+        logits = all_logits[:, -1]
+        if self.prompt_logprobs is not None and self.num_top_logprobs is not None:
+            # Row t of the piece predicts prompt token begin + t + 1; the last row of the prompt predicts
+            # the first generated token, which is not the prompt's.
+            next_ids = self.prompt[begin + 1 : end + 1]
+            self.prompt_logprobs.extend(score_tokens(all_logits[0, : len(next_ids)], next_ids, self.num_top_logprobs))
         if draft is not None:
             draft.advance(end - begin)
         if self.prefix is not None and captured is not None:
             self.prefix.observe_prefill(end - begin, clock.elapsed())
             self.prefix.save(self.prompt, begin, captured)
-        self.take(all_logits[0])
-
-    def take(self, logits: torch.Tensor) -> None:
-        """The next piece was computed (its caches advanced): its [num_logits, V] logits, as `feed` asked."""
-        begin, end = self.pieces.pop(0)
-        if self.prompt_logprobs is not None and self.num_top_logprobs is not None:
-            # Row t of the piece predicts prompt token begin + t + 1; the last row of the prompt predicts
-            # the first generated token, which is not the prompt's.
-            next_ids = self.prompt[begin + 1 : end + 1]
-            self.prompt_logprobs.extend(score_tokens(logits[: len(next_ids)], next_ids, self.num_top_logprobs))
-        if not self.pieces:
-            self.logits = logits[-1:]
+        if last:
+            self.logits = logits
 
 
 def prefill_pieces(start: int, end: int, chunk_tokens: int | None) -> list[tuple[int, int]]:

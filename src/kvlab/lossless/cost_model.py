@@ -17,7 +17,7 @@ T_i tokens its cache holds, so its attention reads T_i + q_i keys with q_i queri
   per plain row against 15 ms);
 - c4: attention's work for the queries past a segment's first, per query and key (per hundred thousand),
   in segments of up to 64 queries (drafts and verifies: `kvlab.attention.FOLDED_SCORES_MAX_QUERIES`);
-- c5: the same in longer segments (an interleaved prefill's piece), which take the flash kernel.
+- c5: the same in longer segments (a long prompt piece), which take the flash kernel.
 
 The tier's part is not fitted: a full KV on a slower tier moves over one link at a known rate (an
 emulated link's rate is declared; another tier's is measured by its loader), so reading it costs its

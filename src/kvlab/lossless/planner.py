@@ -35,12 +35,13 @@ import collections
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from kvlab.generation.feed import RoundHost
 from kvlab.lossless.cost_model import ForwardCostModel, SegmentShape
 from kvlab.lossless.drafter import Drafter, Offer, RoundState
+from kvlab.lossless.lengths import LENGTHS_PAST_THE_PEAK, choose_length
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,6 @@ logger = logging.getLogger(__name__)
 # round drafts up to this many tokens (or its fixed length) and verifies once the prefix has landed.
 TRANSIT_NUM_DRAFT_TOKENS = 8
 MAX_TRACE = 256
-# Lengths tried past the last one that raised the best rate (the search's end; planning runs every round).
-LENGTHS_PAST_THE_PEAK = 8
 
 
 class RoundSettings(Protocol):
@@ -373,56 +372,6 @@ class RoundPlanner:
             length = min(best_length, offer.max_tokens)  # type: ignore[union-attr]
             plans[id(state)] = RoundPlan(offer, length, estimate[credited][length], round_s(length), plain_s)
         return plans
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class LengthChoice:
-    """A drafter's best length: its expected tokens and seconds (a probe's tokens are the optimistic ones)."""
-
-    num_draft_tokens: int
-    expected_tokens: float
-    seconds: float
-
-    @property
-    def rate(self) -> float:
-        return self.expected_tokens / max(self.seconds, 1e-9)
-
-
-def choose_length(acceptance: Acceptance, lengths: Iterable[int], round_s: Callable[[int], float], plain_s: float,
-                  optimism: float) -> LengthChoice:
-    """The length with the most expected tokens per second (each acceptance raised by half of `optimism`
-    standard deviations), credited with its mean; where only the optimistic estimate (`optimism` standard
-    deviations) beats a plain step of `plain_s`, that length as a probe, credited with its optimistic rate.
-
-    Args:
-        acceptance: The source's acceptance per draft position.
-        lengths: The lengths allowed (at least one, each >= 1).
-        round_s: Seconds a round of that many drafts costs (drafting, verify, link).
-        plain_s: Seconds a plain step costs instead.
-        optimism: Standard deviations added to each acceptance for the probe test (0: none).
-    """
-    lengths = list(lengths)
-    means = acceptance.expected_tokens(max(lengths), 0.0)
-    leaning = acceptance.expected_tokens(max(lengths), optimism / 2)
-    hopes = acceptance.expected_tokens(max(lengths), optimism)
-    best: LengthChoice | None = None
-    best_leaning, last_gain = 0.0, 0
-    for length in lengths:
-        if best is not None and length - last_gain > LENGTHS_PAST_THE_PEAK:
-            break  # tokens per second past the peak only fall: E(k) flattens while the round's cost grows
-        seconds = max(round_s(length), 1e-9)
-        # The length leans a little optimistic (half the optimism), so positions rarely reached get tried.
-        if best is None or leaning[length] / seconds > best_leaning:
-            best, best_leaning = LengthChoice(length, means[length], seconds), leaning[length] / seconds
-            last_gain = length
-    assert best is not None, "choose_length needs at least one length"
-    # A probe is credited with its own optimistic tokens: crediting it with a longer length's hope would
-    # probe at a length that loses even if every hope came true (measured at 8K, batch 8: rounds of 2
-    # drafts taken for 3.39 tokens, more than 2 drafts can emit).
-    hope = hopes[best.num_draft_tokens]
-    if best.rate * plain_s < 1.0 <= hope / best.seconds * plain_s:
-        best = LengthChoice(best.num_draft_tokens, hope, best.seconds)
-    return best
-
 
 def _in_step(state: PlannedState) -> bool:
     """Whether a sequence's rounds can be planned in step with others': `auto` lengths from its compressed

@@ -35,7 +35,7 @@ class LosslessStats:
         cost_model_coefficients: The fit per set of weights: seconds of a forward's fixed part, per token,
             per thousand keys read by one-query segments, per thousand keys read by several-query segments,
             and per hundred thousand query-key pairs past each segment's first query (in segments of up to 64
-            queries, and in longer ones: prefill pieces) (`kvlab.lossless.cost_model`).
+            queries, and in longer ones) (`kvlab.lossless.cost_model`).
     """
 
     rounds: int = 0

@@ -16,8 +16,6 @@ from kvlab.compress import create_compressor
 from kvlab.engine import Engine, EngineCallbacks, EngineConfig, Request, SinglePrefixSource, generate
 from kvlab.engine import runner as engine_runner
 from kvlab.generation import GenerationConfig, reference_generate
-from kvlab.generation.feed import Feed
-from kvlab.generation.prefill import PromptPrefill
 from kvlab.lossless import LosslessConfig
 from kvlab.lossless import round as lossless_round
 from kvlab.models import LoadedModel
@@ -78,64 +76,6 @@ def test_plain_lossy_and_lossless_requests_share_ticks_and_each_equals_its_refer
     assert engine.round_stats(ids[0]) is None and engine.round_stats(ids[1]) is None
     rounds = engine.round_stats(ids[2])
     assert rounds is not None and rounds.rounds > 0
-
-
-def test_interleaved_prefill_pieces_share_forwards_with_verifies_and_every_output_equals_its_reference(
-    model: LoadedModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A lossless request verifies while others arrive: their prefill pieces (plain, lossy with its compression
-    after the last piece, lossless with its paired draft cache, and prompt log-probabilities over every row) go
-    into the same forwards as its verifies, and nothing they generate changes."""
-    snapkv = create_compressor("snapkv", budget=12)
-    chunked = GenerationConfig(max_new_tokens=14, ignore_eos=True, prefill_chunk_tokens=8)
-    scored = GenerationConfig(max_new_tokens=6, ignore_eos=True, prefill_chunk_tokens=8, prompt_logprobs=2)
-    prefill_caches: set[int] = set()  # the caches of the pieces in the coming forward
-    packed_with_verify = 0
-    original_feed, original_run = PromptPrefill.feed, engine_runner.run_packed
-
-    def recording_feed(job: PromptPrefill) -> Feed:
-        feed = original_feed(job)
-        prefill_caches.add(id(feed.cache))
-        return feed
-
-    def recording_run(target: Any, segments: list[Any], token_ids: list[list[int]], logits_at: list[int]) -> Any:
-        nonlocal packed_with_verify
-        pieces = [segment for segment in segments if id(segment.cache) in prefill_caches]
-        verifies = [segment for segment in segments if id(segment.cache) not in prefill_caches
-                    and segment.num_tokens > 1]
-        packed_with_verify += bool(pieces and verifies)
-        prefill_caches.clear()
-        return original_run(target, segments, token_ids, logits_at)
-
-    monkeypatch.setattr(PromptPrefill, "feed", recording_feed)
-    monkeypatch.setattr(engine_runner, "run_packed", recording_run)
-    engine = Engine(model, EngineConfig(interleave_prefill=True))
-    first = engine.add_request(Request(PROMPTS[0], GenerationConfig(max_new_tokens=40, ignore_eos=True),
-                                       lossless=lossless(num_draft_tokens=4)))
-    engine.step()  # its prompt, whole (one piece)
-    later = [Request(PROMPTS[2], chunked), Request(PROMPTS[2], chunked, snapkv),
-             Request(PROMPTS[1], chunked, lossless=lossless()), Request(PROMPTS[2], scored)]
-    ids = [engine.add_request(request) for request in later]
-    while engine.num_unfinished():
-        engine.step()
-    assert packed_with_verify > 0, "no prefill piece shared a forward with a verify"
-    assert engine.output(first).token_ids == reference(model, PROMPTS[0], GenerationConfig(max_new_tokens=40,
-                                                                                         ignore_eos=True))
-    assert engine.output(ids[0]).token_ids == reference(model, PROMPTS[2], chunked)
-    assert engine.output(ids[1]).token_ids == reference(model, PROMPTS[2], chunked, compressor=snapkv)
-    assert engine.output(ids[2]).token_ids == reference(model, PROMPTS[1], chunked)
-    rounds = engine.round_stats(ids[2])
-    assert rounds is not None and rounds.rounds > 0
-    # Prompt log-probabilities: the same as a prefill in forwards of its own, to float32 rounding (other
-    # tokens beside a piece change how the kernels block their sums, not what they sum).
-    alone = Engine(model)
-    alone_id = run(alone, [Request(PROMPTS[2], scored)])[0]
-    got, expected = engine.output(ids[3]), alone.output(alone_id)
-    assert got.token_ids == expected.token_ids
-    assert got.prompt_logprobs is not None and expected.prompt_logprobs is not None
-    assert got.prompt_logprobs.token_ids == expected.prompt_logprobs.token_ids == PROMPTS[2][1:]
-    torch.testing.assert_close(torch.tensor(got.prompt_logprobs.logprobs),
-                               torch.tensor(expected.prompt_logprobs.logprobs), rtol=0, atol=1e-4)
 
 
 def test_generate_equals_the_reference_decoder_with_stop_rules(model: LoadedModel) -> None:

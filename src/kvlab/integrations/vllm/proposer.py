@@ -49,10 +49,9 @@ import torch
 
 from kvlab.cache import KVCache
 from kvlab.compress import Compressor, compressors
-from kvlab.engine.runner import PackedBatch, pack, run_batch, run_to_end
+from kvlab.engine import Feed, PackedBatch, pack, run_batch, run_to_end
 from kvlab.errors import ConfigError
 from kvlab.generation.config import GenerationConfig
-from kvlab.generation.feed import Feed
 from kvlab.integrations.vllm.adoption import DraftSequence, HandoverMismatch, ProposerStats, SequenceBuilder
 from kvlab.integrations.vllm.handover import BOARD, LayerKV, StepHandover, engine_key
 from kvlab.integrations.vllm.model import served_model, transformers_model
