@@ -67,7 +67,7 @@ def features(segments: list[SegmentShape]) -> list[float]:
     tokens = sum(s.num_tokens for s in segments)
     single_keys = sum(s.num_cached + s.num_tokens for s in segments if s.num_tokens == 1)
     multi_keys = sum(s.num_cached + s.num_tokens for s in segments if s.num_tokens > 1)
-    pairs = [(s.num_tokens - 1) * (s.num_cached + s.num_tokens) for s in segments]
+    pairs = [max(s.num_tokens - 1, 0) * (s.num_cached + s.num_tokens) for s in segments]
     short = sum(p for p, s in zip(pairs, segments, strict=True) if s.num_tokens <= FOLDED_SCORES_MAX_QUERIES)
     return [1.0, float(tokens), single_keys / KEYS_UNIT, multi_keys / KEYS_UNIT, short / PAIRS_UNIT,
             (sum(pairs) - short) / PAIRS_UNIT]
