@@ -161,6 +161,26 @@ class RedisServer:
         stop_process(self.process)
 
 
+def wait_until_healthy(process: subprocess.Popen[bytes], url: str, log: Path, name: str, timeout_s: float,
+                       poll_s: float) -> str | None:
+    """Poll `url`/health until it answers 200 (None); else why not, with the tail of the server's `log`: the
+    process exited, or `timeout_s` went by."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return f"{name} exited with {process.returncode}:\n{log.read_text(errors='replace')[-4000:]}"
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return None
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(poll_s)
+    return f"{name} did not answer /health within {timeout_s:.0f} s:\n{log.read_text(errors='replace')[-4000:]}"
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     # The OS picks an unused port; RedisServer retries with another if it is taken before the bind.

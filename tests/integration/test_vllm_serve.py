@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_until_healthy
 
 pytestmark = pytest.mark.integration
 vllm = pytest.importorskip("vllm", reason="the vLLM integration tests run in .venv-vllm (make test-vllm)")
@@ -104,17 +104,9 @@ class VLLMServe:
         return self.log.read_text(errors="replace")[-num_chars:]
 
     def wait_until_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"{self.name} vllm serve exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(0.5)
-        pytest.fail(f"{self.name} vllm serve did not answer /health within {timeout_s:.0f} s:\n{self.log_tail()}")
+        problem = wait_until_healthy(self.process, self.url, self.log, f"{self.name} vllm serve", timeout_s, poll_s=0.5)
+        if problem is not None:
+            pytest.fail(problem)
 
     def stop(self) -> None:
         """SIGTERM to the server, then SIGKILL to its session (the engine core and worker it started) after 30 s."""

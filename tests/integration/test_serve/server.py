@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvlab.cli import main
-from tests.helpers import free_port, stop_process
+from tests.helpers import free_port, stop_process, wait_until_healthy
 
 
 class ServeProcess:
@@ -36,20 +35,10 @@ class ServeProcess:
         self._wait_until_ready(timeout_s=120)
 
     def _wait_until_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                log = self.log.read_text(errors="replace")[-3000:]
-                pytest.fail(f"kvlab serve exited with {self.process.returncode}: {log}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(0.2)
-        self.stop()
-        log = self.log.read_text(errors="replace")[-3000:]
-        pytest.fail(f"kvlab serve did not answer /health within {timeout_s:.0f} s: {log}")
+        problem = wait_until_healthy(self.process, self.url, self.log, "kvlab serve", timeout_s, poll_s=0.2)
+        if problem is not None:
+            self.stop()
+            pytest.fail(problem)
 
     def terminate(self) -> None:
         """SIGTERM, as a process manager stops a server."""
