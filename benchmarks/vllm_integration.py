@@ -3,7 +3,7 @@ speculative decoding with kvlab's compressed-cache drafter against vLLM's own pr
 
 Usage: .venv-vllm/bin/python benchmarks/vllm_integration.py [--prefix-tokens 4096] [--new-tokens 64]
            [--chunk-tokens 256] [--num-speculative-tokens 4] [--drafter '{"name": "snapkv", "budget": 512}']
-           [--batch 1] [--draft-weights same|bf16|int8] [--rows ...] [--compile] [--json PATH]
+           [--batch 1] [--prompt doc|summary-6k] [--draft-weights same|bf16|int8] [--rows ...] [--compile] [--json PATH]
 
 Every row runs its engines in fresh processes (vLLM keeps one KV connector per process), on the same
 prompt: the embedded model's document, `--prefix-tokens` long, greedy. Rows:
@@ -108,10 +108,11 @@ def connector_options(args: argparse.Namespace, row: str, where: str) -> dict[st
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """One engine's part of a row, in this (fresh) process."""
-    prompt: list[int] = json.loads(Path(args.prompt_file).read_text())
+    prompts: list[list[int]] = json.loads(Path(args.prompt_file).read_text())
+    prompt = prompts[0]
     row, phase = args.child, args.phase
     if row.startswith("decode:"):
-        return decode_child(args, prompt)
+        return decode_child(args, prompts)
     options: dict[str, Any] = {}
     if row == "vllm prefix cache":
         options["enable_prefix_caching"] = True
@@ -130,10 +131,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     return {"ttft_s": ttft_s, "tokens": tokens}
 
 
-def decode_child(args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
+def decode_child(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
     from kvlab.integrations.vllm.model import model_directory
 
-    prompts = batch_prompts(args, prompt)
+    prompt = prompts[0]
     kind = args.child.removeprefix("decode: ")
     k = args.num_speculative_tokens
     options: dict[str, Any] = {}
@@ -188,17 +189,21 @@ def decode_child(args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
     return result
 
 
-def batch_prompts(args: argparse.Namespace, prompt: list[int]) -> list[list[int]]:
-    """`--batch` prompts of `--prefix-tokens` each: the bundled document from offsets BATCH_OFFSET apart."""
-    if args.batch == 1:
-        return [prompt]
+def batch_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """`--batch` prompts (the first is the one-request rows' prompt), their texts BATCH_OFFSET tokens apart:
+    `doc`, the bundled document's, `--prefix-tokens` each; `summary-6k`, peers.py's long summary prompt."""
     from transformers import AutoTokenizer
 
     from kvlab.data import document_token_ids
     from kvlab.integrations.vllm.model import model_directory
 
-    document = document_token_ids(AutoTokenizer.from_pretrained(model_directory()),
-                                  args.prefix_tokens + (args.batch - 1) * BATCH_OFFSET)
+    tokenizer = AutoTokenizer.from_pretrained(model_directory())
+    if args.prompt == "summary-6k":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from peers import long_summary_prompt_ids
+
+        return [long_summary_prompt_ids(tokenizer, i * BATCH_OFFSET) for i in range(args.batch)]
+    document = document_token_ids(tokenizer, args.prefix_tokens + (args.batch - 1) * BATCH_OFFSET)
     return [document[i * BATCH_OFFSET:i * BATCH_OFFSET + args.prefix_tokens] for i in range(args.batch)]
 
 
@@ -352,15 +357,11 @@ def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def parent(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from transformers import AutoTokenizer
-
-    from kvlab.data import document_token_ids
-    from kvlab.integrations.vllm.model import model_directory
-
     workdir = Path(tempfile.mkdtemp(prefix="kvlab-vllm-bench-"))
-    prompt = document_token_ids(AutoTokenizer.from_pretrained(model_directory()), args.prefix_tokens)
-    args.prompt_file = str(workdir / "prompt.json")
-    Path(args.prompt_file).write_text(json.dumps(prompt))
+    prompts = batch_prompts(args)
+    args.prefix_tokens = max(len(p) for p in prompts)  # the engines' max_model_len; the connector's whole chunks
+    args.prompt_file = str(workdir / "prompts.json")
+    Path(args.prompt_file).write_text(json.dumps(prompts))
     redis_server = LoopbackRedis(workdir)  # started by the first redis:// row, if any
     rows: list[dict[str, Any]] = []
     try:
@@ -380,7 +381,27 @@ def parent(args: argparse.Namespace) -> list[dict[str, Any]]:
         reference = references["decode" if row["setting"].startswith("decode:") else "connector"]
         tokens = row.pop("tokens")
         row["identical"] = None if reference is None else tokens == reference
+    add_decode_ratios(rows, args.prompt, args.batch)
     return rows
+
+
+def add_decode_ratios(rows: list[dict[str, Any]], prompt: str, batch: int) -> None:
+    """Each decode row's prompt, batch, and its decode rate and in-request TTFT over vLLM plain's and ngram's
+    (of the same run), kept in the row itself."""
+    def rate(setting: str, key: str) -> float | None:
+        return next((r.get(key) for r in rows if r["setting"] == setting), None)
+
+    for row in rows:
+        if not row["setting"].startswith("decode:"):
+            continue
+        row.update(prompt=prompt, batch=batch)
+        for base in ("vllm plain", "ngram"):
+            name = base.replace("vllm ", "")
+            decode, ttft = rate(f"decode: {base}", "decode_tokens_per_s"), rate(f"decode: {base}", "request_ttft_s")
+            if decode:
+                row[f"decode_x_{name}"] = row["decode_tokens_per_s"] / decode
+            if ttft:
+                row[f"request_ttft_x_{name}"] = row["request_ttft_s"] / ttft
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -416,7 +437,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                   f"check) {p['adopt_s']:.2f} + its own prefill {p['prefill_s']:.2f} + drafting {p['draft_s']:.2f} "
                   f"+ bookkeeping {p['total_s'] - parts:.2f}; {p['num_adopted']} prompts adopted, "
                   f"{p['num_prefills']} prefilled, {p['num_handover_tokens']} tokens' KV from the pages, "
-                  f"fallbacks {p['fallbacks'] or 'none'}")
+                  f"fallbacks {p['fallbacks'] or 'none'}; row steps drafted by prompt lookup "
+                  f"{p['num_lookup_rounds']}, by the compressed cache {p['num_cache_rounds']}, by none "
+                  f"{p['num_plain_rows']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -429,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="+", default=CONNECTOR_ROWS + DECODE_ROWS, choices=CONNECTOR_ROWS + DECODE_ROWS,
                         help="rows to run (default: all; 'vllm cold' is the reference of the others)")
     parser.add_argument("--batch", type=int, default=1, help="decode rows: requests sent at once")
+    parser.add_argument("--prompt", choices=["doc", "summary-6k"], default="doc",
+                        help="doc: the bundled document, --prefix-tokens long; summary-6k: peers.py's long summary "
+                             "prompt (6452 tokens; --prefix-tokens ignored)")
     parser.add_argument("--draft-weights", default="same", choices=["same", "bf16", "int8"],
                         help="kvlab proposer rows: the weights that draft (KVLAB_VLLM_DRAFT_WEIGHTS)")
     parser.add_argument("--compile", action="store_true", help="let vLLM compile the model (default: eager)")

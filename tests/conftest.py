@@ -3,6 +3,7 @@ redis servers; the helpers they use are in `tests/helpers.py`."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,11 @@ import pytest
 
 from kvlab.models import LoadedModel
 from tests.helpers import RedisServer, tiny_llama
+
+# Every engine in the tests calibrates its cost model afresh: a calibration kept by an earlier test (or an
+# earlier run on this machine) would change which rounds a planner chooses between runs of one test.
+# Subprocesses (servers) inherit it; tests of the kept calibration set their own folder.
+os.environ["KVLAB_CALIBRATION_DIR"] = ""
 
 # Modules whose tests take seconds each (the architecture matrix builds and runs a model per family
 # and capability); everything under tests/integration is slow too.

@@ -290,9 +290,9 @@ def test_a_lookup_round_drafts_no_forward_and_the_cache_catches_up_from_the_page
     assert proposer.stats.num_lookup_draft_tokens == len(drafts[0]) and proposer.stats.num_draft_tokens == 0
     # The lookup's round emitted 1 token; the cache is expected to emit about 3.4 in a round of 4 drafts at
     # 10 ms each beside a 100 ms step: the cache drafts next.
-    proposer.costs.step_s = 0.1
-    for _ in range(2):
-        proposer.costs.draft.observe_tick([(proposer.draft_weights, [SegmentShape(1, 30)], 0.01)])
+    for proposed in (0, 4, 2, 0, 3):
+        proposer.costs.observe_step([SegmentShape(proposed + 1, 60)], 0.1)
+        proposer.costs.observe_draft([SegmentShape(1, 30)], 0.01)
     grown = history + [PROMPTS[1][31]]  # the repetition goes on: the lookup has a proposal again
     assert find_continuation(grown, NUM_SPECULATIVE_TOKENS, PromptLookup())
     drafts = propose(proposer, [grown], pages.step([pages.write("a", grown[:-1])]))

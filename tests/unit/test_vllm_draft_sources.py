@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.integrations.vllm.sources import CACHE, LOOKUP, RowPlan, RowRecord, StepCosts, plan_rows, running_mean
+from kvlab.integrations.vllm.sources import CACHE, LOOKUP, RowPlan, RowRecord, StepCosts, plan_rows
 from kvlab.lossless.cost_model import SegmentShape
 
 
-def fitted(step_s: float, draft_forward_s: float) -> StepCosts:
-    """A vLLM step of `step_s` and draft forwards of `draft_forward_s` whatever they pack."""
-    costs = StepCosts("int8", step_s=step_s)
-    for _ in range(4):
-        costs.draft.observe_tick([("int8", [SegmentShape(1, 100)], draft_forward_s)])
+def fitted(step_s: float, draft_forward_s: float, verify_token_s: float = 0.0, num_rows: int = 1) -> StepCosts:
+    """vLLM steps over `num_rows` rows of `step_s` plus `verify_token_s` per proposed token, and draft forwards of
+    `draft_forward_s` whatever they pack."""
+    costs = StepCosts("int8")
+    for proposed in (0, 1, 2, 4, 0, 3, 1, 4, 2, 0, 4, 3):
+        rows = [SegmentShape(proposed + 1, 100)] * num_rows
+        costs.observe_step(rows, step_s + verify_token_s * proposed * num_rows)
+        costs.observe_draft([SegmentShape(1, 100)], draft_forward_s)
     return costs
 
 
@@ -25,19 +28,19 @@ def record(source: str, num_drafted: int, num_emitted: int, rounds: int) -> RowR
 
 
 def test_before_anything_is_measured_the_lookup_is_tried_where_it_has_a_proposal() -> None:
-    plans = plan_rows([RowRecord(), RowRecord()], [[5, 6, 7], []], [100, 100], 4, StepCosts("int8"))
+    plans = plan_rows([RowRecord(), RowRecord()], [[5, 6, 7], []], [100, 100], [100, 100], 4, StepCosts("int8"))
     assert plans == [RowPlan(LOOKUP, 3), RowPlan(CACHE, 4)]
 
 
 def test_a_row_whose_cache_drafts_are_never_accepted_proposes_nothing() -> None:
     rejected = record(CACHE, 4, 1, rounds=30)
-    plans = plan_rows([rejected], [[]], [100], 4, fitted(0.1, 0.05))
+    plans = plan_rows([rejected], [[]], [100], [100], 4, fitted(0.1, 0.05))
     assert plans == [RowPlan(None, 0)]
 
 
 def test_a_row_whose_drafts_are_accepted_drafts_long_from_the_cache() -> None:
     accepted = record(CACHE, 4, 5, rounds=30)
-    plans = plan_rows([accepted], [[]], [100], 4, fitted(0.1, 0.01))
+    plans = plan_rows([accepted], [[]], [100], [100], 4, fitted(0.1, 0.01))
     assert plans == [RowPlan(CACHE, 4)]
 
 
@@ -45,20 +48,31 @@ def test_rows_drafting_together_split_the_draft_forward() -> None:
     """A draft forward of 120 ms is too dear for one row of a 100 ms step whose first draft is accepted and the
     second not (2 tokens in 220 ms against 1 in 100), not when eight rows draft together (15 ms each)."""
     half = record(CACHE, 2, 2, rounds=30)  # the first of two drafts accepted, the second not
-    alone = plan_rows([half], [[]], [100], 2, fitted(0.1, 0.12))
+    alone = plan_rows([half], [[]], [100], [100], 2, fitted(0.1, 0.12))
     rows = [record(CACHE, 2, 2, rounds=30) for _ in range(8)]
-    together = plan_rows(rows, [[]] * 8, [100] * 8, 2, fitted(0.8, 0.12))
+    together = plan_rows(rows, [[]] * 8, [100] * 8, [100] * 8, 2, fitted(0.8, 0.12, num_rows=8))
     assert alone == [RowPlan(None, 0)] and all(plan.source == CACHE for plan in together), (alone, together)
 
 
 def test_a_free_lookup_is_taken_over_nothing_and_a_round_credits_its_source() -> None:
-    plans = plan_rows([RowRecord()], [[1, 2]], [100], 4, fitted(0.1, 1.0))
+    plans = plan_rows([RowRecord()], [[1, 2]], [100], [100], 4, fitted(0.1, 1.0))
     assert plans == [RowPlan(LOOKUP, 2)]
     row = RowRecord(pending=(LOOKUP, 3))
     row.record(3)  # two of three accepted
     assert row.acceptance[LOOKUP].accepted[:2] == [1.0, 1.0] and row.acceptance[LOOKUP].reached == [1.0, 1.0, 1.0]
     assert row.pending is None and row.acceptance[CACHE].reached == []
-    assert running_mean(None, 2.0) == 2.0 and 2.0 < running_mean(2.0, 4.0) < 4.0
+
+
+def test_a_lookup_whose_verify_costs_more_than_its_tokens_are_worth_is_not_proposed() -> None:
+    """Lookup drafts cost no forward, but vLLM verifies them: at 60 ms a proposed token on a 100 ms step, a lookup
+    whose first draft is accepted one time in five (1.2 tokens for 160 ms) loses to a plain step; at 5 ms it pays."""
+    poor = record(LOOKUP, 1, 1, rounds=40)
+    for _ in range(10):
+        poor.pending = (LOOKUP, 1)
+        poor.record(2)
+    dear = plan_rows([poor], [[7, 8]], [100], [100], 2, fitted(0.1, 1.0, verify_token_s=0.06))
+    cheap = plan_rows([poor], [[7, 8]], [100], [100], 2, fitted(0.1, 1.0, verify_token_s=0.005))
+    assert dear == [RowPlan(None, 0)] and cheap[0].source == LOOKUP, (dear, cheap)
 
 
 def test_the_draft_length_setting_is_auto_or_fixed(monkeypatch: pytest.MonkeyPatch) -> None:

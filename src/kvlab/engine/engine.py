@@ -29,7 +29,7 @@ from kvlab.generation.outputs import GenerationStats, RequestOutput
 from kvlab.generation.prefill import PrefillCaches, PrefixReuse, PromptPrefill, check_prompts
 from kvlab.generation.sampling import sampling_generator, select_next_tokens
 from kvlab.generation.stopping import StopChecker
-from kvlab.lossless.calibration import calibrate
+from kvlab.lossless.calibration import CalibrationStore
 from kvlab.lossless.config import warn_if_inexact
 from kvlab.lossless.remote_prefix import PrefixTarget, start_remote
 from kvlab.lossless.round import LosslessState, lossless_rounds
@@ -70,7 +70,7 @@ class Engine:
         self._loaders: dict[TierSpec, TierLoader] = {}
         self._weight_sets: dict[str, torch.nn.Module] = {"same": loaded.model}  # type: ignore[dict-item]
         self._decoder = Decoder(loaded.model, self._weight_sets, self.planner, self.figures,  # type: ignore[arg-type]
-                                self._loaders)
+                                self._loaders, CalibrationStore.for_model(loaded.source, loaded.dtype, loaded.device))
         self._fetcher = None
         if prefixes is not None and self.config.fetch_workers > 0:
             self._fetcher = PrefixFetcher(prefixes, self.config.fetch_workers)
@@ -297,8 +297,8 @@ class Engine:
 
     def _calibrate(self, weights: str, full: KVCache, draft: KVCache, token_id: int) -> None:
         """Fit the planner's cost model to the served and draft weights where it has not been yet."""
-        calibrate(self.planner.costs, {"same": self.loaded.model, weights: self._drafter(weights)}, full, draft,
-                  token_id)
+        self._drafter(weights)
+        self._decoder.calibrate(weights, full, draft, token_id)
 
     def _admitted(self, sequence: Sequence) -> None:
         self.scheduler.start_running(sequence)

@@ -17,7 +17,7 @@ from kvlab.cache.tiers import TierLoader, TierSpec
 from kvlab.engine.figures import RunFigures
 from kvlab.engine.runner import group_by_model, pack, run_batch
 from kvlab.engine.sequence import Sequence, Status
-from kvlab.lossless.calibration import calibrate_batch
+from kvlab.lossless.calibration import CalibrationStore, calibrate, calibrate_batch
 from kvlab.lossless.cost_model import SegmentShape
 from kvlab.lossless.planner import RoundPlanner
 
@@ -34,16 +34,18 @@ class Decoder:
         figures: The run's figures.
         loaders: The tiers' loaders (their waits are taken out of the forwards' seconds; their link's rate
             is the cost model's).
+        calibrations: Where the cost model's calibration is kept between runs on this machine.
     """
 
     def __init__(self, target: torch.nn.Module, weight_sets: dict[str, torch.nn.Module], planner: RoundPlanner,
-                 figures: RunFigures, loaders: dict[TierSpec, TierLoader]) -> None:
+                 figures: RunFigures, loaders: dict[TierSpec, TierLoader], calibrations: CalibrationStore) -> None:
         self.target = target
         self.weight_sets = weight_sets
         self.planner = planner
         self.figures = figures
         self.loaders = loaders
-        self.calibrated_batch = 1  # the largest batch calibrated so far (one sequence: at its start)
+        self.calibrations = calibrations
+        self._restored = False
 
     def tier_wait_s(self) -> float:
         """Seconds forwards have waited for slower tiers so far (all tiers together)."""
@@ -103,17 +105,32 @@ class Decoder:
         stopped = [sequence for sequence in running if sequence.status is Status.RUNNING and sequence.feed is None]
         return stopped, verified
 
+    def calibrate(self, weights: str, full: KVCache, draft: KVCache, token_id: int) -> None:
+        """Fit the cost model to the served weights and `weights` (in `weight_sets`) where it is not fitted:
+        from an earlier run's calibration on this machine when one is kept, else by `calibrate`'s forwards
+        on a new lossless sequence's caches."""
+        costs = self.planner.costs
+        if not self._restored:
+            self._restored = True
+            self.calibrations.restore(costs)
+        kept = sum(len(rows) for rows in costs.calibration.values())
+        calibrate(costs, {"same": self.target, weights: self.weight_sets[weights]}, full, draft, token_id)
+        if sum(len(rows) for rows in costs.calibration.values()) > kept:
+            self.calibrations.save(costs)
+
     def _calibrate_batch(self, running: list[Sequence]) -> None:
-        """Calibrate the cost model on this batch of lossless sequences when it is the largest yet
-        (`calibrate_batch`: its forwards are rolled back, mid-round caches included)."""
+        """Calibrate the cost model on this batch of lossless sequences when it is the largest yet, here or
+        in the kept calibration (`calibrate_batch`: its forwards are rolled back, mid-round caches included)."""
         states = [sequence.lossless for sequence in running if sequence.lossless is not None]
-        if len(states) <= self.calibrated_batch:
+        costs = self.planner.costs
+        if len(states) <= costs.calibrated_batch:
             return
         pairs = [(state.full, state.draft) for state in states if isinstance(state.full, KVCache)]
         weights = {state.settings.draft_weights for state in states}
         models = {"same": self.target} | {name: self.weight_sets[name] for name in weights}
-        calibrate_batch(self.planner.costs, models, pairs, states[0].pending[-1] if states[0].pending else 0)
-        self.calibrated_batch = len(states)
+        calibrate_batch(costs, models, pairs, states[0].pending[-1] if states[0].pending else 0)
+        costs.calibrated_batch = len(states)
+        self.calibrations.save(costs)
 
     def _model_for(self, sequence: Sequence) -> torch.nn.Module:
         feed, lossless = sequence.feed, sequence.request.lossless

@@ -12,16 +12,37 @@ every running sequence's full cache and one packed draft step over their draft c
 model would learn a large batch's costs only from the ticks the planner chose, and a batch that drafts
 never shows what its plain ticks cost (at 8K and batch 8, a plain tick costs about half of what single
 sequences' costs add up to).
+
+Both are kept between runs (`CalibrationStore`: one file per model, dtype, machine, torch version and
+thread count under the kvlab cache directory), so a later run on the same machine starts fitted and
+runs none of these forwards (at 8K, batch 8: about a second of a 64-token run's 10).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+from pathlib import Path
 
 import torch
 
 from kvlab.cache import KVCache, Segment, run_packed
 from kvlab.cache.tiers import TieredKVLayer
-from kvlab.lossless.cost_model import ForwardCostModel, SegmentShape
+from kvlab.lossless.cost_model import NUM_FEATURES, ForwardCostModel, SegmentShape
+from kvlab.paths import cache_dir
 from kvlab.timing import Stopwatch
+
+logger = logging.getLogger(__name__)
+
+# The folder for kept calibrations; set empty to keep none (every run calibrates). Default: the kvlab cache
+# directory's "calibration" folder.
+CALIBRATION_DIR_ENV = "KVLAB_CALIBRATION_DIR"
+# Bumped when a kept row's meaning changes (the cost model's features).
+FORMAT = 1
 
 # Tokens per calibration forward on the served weights (a plain step twice: its first pays set-ups).
 SERVED_TOKENS = (1, 1, 9, 17)
@@ -44,7 +65,7 @@ def calibrate(
             # The faster of two: a shared machine only ever adds time, and one slow calibration forward
             # would hold the planner to a wrong cost until enough forwards of that shape outweigh it.
             (seconds, shape), (again, _) = (_timed_forward(model, cache, token_id, num_tokens) for _ in range(2))
-            costs.observe_tick([(weights, [shape], min(seconds, again))], compare=False)
+            costs.observe_tick([(weights, [shape], min(seconds, again))], calibration=True)
 
 
 def calibrate_batch(costs: ForwardCostModel, models: dict[str, torch.nn.Module], pairs: list[tuple[KVCache, KVCache]],
@@ -55,10 +76,10 @@ def calibrate_batch(costs: ForwardCostModel, models: dict[str, torch.nn.Module],
     drafts = [draft for _, draft in pairs]
     if len(fulls) > 1:
         seconds, shapes = _timed_packed(models["same"], fulls, token_id)
-        costs.observe_tick([("same", shapes, seconds)], compare=False)
+        costs.observe_tick([("same", shapes, seconds)], calibration=True)
     for weights, model in models.items():
         seconds, shapes = _timed_packed(model, drafts, token_id)
-        costs.observe_tick([(weights, shapes, seconds)], compare=False)
+        costs.observe_tick([(weights, shapes, seconds)], calibration=True)
 
 
 def _timed_forward(
@@ -89,3 +110,65 @@ def _timed_packed(
         for cache, was_provisional in zip(caches, provisional, strict=True):
             cache.set_provisional(was_provisional)
     return seconds, shapes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CalibrationStore:
+    """An earlier run's calibration forwards of one model on this machine: `ForwardCostModel.calibration`'s
+    rows and its `calibrated_batch`, in one JSON file (`path`; None: nothing is kept).
+
+    A file that cannot be read or written is a run that calibrates: never an error."""
+
+    path: Path | None
+
+    @classmethod
+    def for_model(cls, source: str, dtype: torch.dtype, device: torch.device) -> CalibrationStore:
+        """The store of `source`'s weights in `dtype` on `device`, on this machine (None path: kept nowhere)."""
+        configured = os.environ.get(CALIBRATION_DIR_ENV)
+        if configured == "":
+            return cls(None)
+        directory = Path(configured).expanduser() if configured else cache_dir() / "calibration"
+        key = json.dumps([FORMAT, NUM_FEATURES, source, str(dtype), machine_name(device), torch.__version__,
+                          torch.get_num_threads()])
+        return cls(directory / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json")
+
+    def restore(self, costs: ForwardCostModel) -> None:
+        """Fold the kept calibration into `costs` (`ForwardCostModel.restore`), when there is one."""
+        if self.path is None or not self.path.exists():
+            return
+        try:
+            kept = json.loads(self.path.read_text())
+            rows = {str(weights): [[float(v) for v in row] for row in weight_rows
+                                   if len(row) == NUM_FEATURES + 1] for weights, weight_rows in kept["rows"].items()}
+            calibrated_batch = int(kept["calibrated_batch"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            logger.warning("ignoring the kept calibration %s (%s); this run calibrates", self.path, error)
+            return
+        costs.restore(rows, calibrated_batch)
+
+    def save(self, costs: ForwardCostModel) -> None:
+        """Keep `costs`'s calibration for later runs (written whole, then renamed into place)."""
+        if self.path is None or not costs.calibration:
+            return
+        text = json.dumps({"rows": costs.calibration, "calibrated_batch": costs.calibrated_batch})
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(text)
+            partial.replace(self.path)
+        except OSError as error:
+            logger.warning("could not keep the calibration in %s (%s); later runs calibrate again", self.path, error)
+
+
+def machine_name(device: torch.device) -> str:
+    """The processor (CPU model name) or accelerator a calibration ran on."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()} x{os.cpu_count()}"

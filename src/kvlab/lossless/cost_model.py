@@ -27,6 +27,13 @@ Each weight set's coefficients are a least-squares fit with exponential forgetti
 per forward, so the fit follows a machine whose speed drifts), regularised by a small ridge towards
 zero so that collinear features (a batch of one-token steps) stay bounded, and kept non-negative. A
 forward is predicted before it is folded in, so the reported error is out of sample.
+
+The calibration's forwards (`kvlab.lossless.calibration`) are never forgotten: each keeps the weight of
+one live forward for good (`anchor_weight`). A run that chooses about one draft length round after round
+shows the fit noisy verifies of a narrow spread of shapes, which alone price a verify's fixed key read
+(c3) against its per-draft work (c4) poorly; the calibration's spread of lengths (1 to 17 tokens) keeps
+those directions priced, at a few forwards' weight against the live forwards' (about 50 at `forgetting`
+0.98), so the fit still follows the machine where the live forwards say something.
 """
 
 from __future__ import annotations
@@ -89,15 +96,20 @@ class LinearFit:
         ridge: Added to the normal equations' diagonal (keeps collinear features bounded).
         gram: [6, 6] float64 sum of x x^T, forgotten geometrically.
         moments: [6] float64 sum of x y.
-        num_observed: Forwards folded in.
+        anchor_weight: Weight of an anchored forward (a calibration's), never forgotten.
+        anchors: [6, 7] float64 sum of anchor_weight x [x, y]^T over anchored forwards.
+        num_observed: Forwards folded in (anchored ones included).
         coefficients: [6] the current fit (seconds per unit of each feature).
     """
 
     forgetting: float = 0.98
     ridge: float = 1e-4
+    anchor_weight: float = 1.0
     gram: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(NUM_FEATURES, NUM_FEATURES,
                                                                                  dtype=torch.float64))
     moments: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(NUM_FEATURES, dtype=torch.float64))
+    anchors: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(NUM_FEATURES, NUM_FEATURES + 1,
+                                                                                   dtype=torch.float64))
     num_observed: int = 0
     coefficients: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(NUM_FEATURES,
                                                                                         dtype=torch.float64))
@@ -107,10 +119,13 @@ class LinearFit:
         # Plain floats: the planner predicts dozens of shapes per round, a tensor op each would cost more.
         return sum(c * v for c, v in zip(self._values, x, strict=True))
 
-    def observe(self, x: list[float], seconds: float) -> None:
+    def observe(self, x: list[float], seconds: float, anchored: bool = False) -> None:
         row = torch.tensor(x, dtype=torch.float64)
-        self.gram.mul_(self.forgetting).add_(torch.outer(row, row))
-        self.moments.mul_(self.forgetting).add_(row * seconds)
+        if anchored:
+            self.anchors.add_(self.anchor_weight * torch.outer(row, torch.tensor([*x, seconds], dtype=torch.float64)))
+        else:
+            self.gram.mul_(self.forgetting).add_(torch.outer(row, row))
+            self.moments.mul_(self.forgetting).add_(row * seconds)
         self.num_observed += 1
         self.coefficients = self._solve()
         self._values = self.coefficients.tolist()
@@ -119,10 +134,12 @@ class LinearFit:
         """Non-negative least squares by elimination: solve, drop the most negative coefficient, repeat."""
         active = list(range(NUM_FEATURES))
         solution = torch.zeros(NUM_FEATURES, dtype=torch.float64)
+        gram_all = self.gram + self.anchors[:, :NUM_FEATURES]
+        moments_all = self.moments + self.anchors[:, NUM_FEATURES]
         while active:
             index = torch.tensor(active)
-            gram = self.gram[index][:, index] + self.ridge * torch.eye(len(active), dtype=torch.float64)
-            partial = torch.linalg.solve(gram, self.moments[index])
+            gram = gram_all[index][:, index] + self.ridge * torch.eye(len(active), dtype=torch.float64)
+            partial = torch.linalg.solve(gram, moments_all[index])
             if bool((partial >= 0).all()):
                 solution[index] = partial
                 return solution
@@ -166,6 +183,9 @@ class ForwardCostModel:
         warm_up: Forwards of a weight set not compared (nor fitted): the first ones pay one-off set-ups.
         max_ratio: A fitted forward counts at most this multiple of its prediction (once the fit has seen
             MIN_FORWARDS_TO_CLIP forwards): a stall on a shared machine is not a new cost.
+        calibration: Every calibration forward folded in, per weight set: its features and seconds (what
+            `kvlab.lossless.calibration.CalibrationStore` keeps for later runs on this machine).
+        calibrated_batch: The largest batch a calibration has run.
     """
 
     fits: dict[str, LinearFit] = dataclasses.field(default_factory=dict)
@@ -173,6 +193,8 @@ class ForwardCostModel:
     fit: CostFit = dataclasses.field(default_factory=CostFit)
     warm_up: int = 1
     max_ratio: float = 2.0
+    calibration: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
+    calibrated_batch: int = 1
     _seen: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def ready(self, weights: str) -> bool:
@@ -193,12 +215,12 @@ class ForwardCostModel:
         """Seconds `num_bytes` of full KV take over the tier's link (0 in memory)."""
         return num_bytes / self.link_bytes_per_s if num_bytes and self.link_bytes_per_s else 0.0
 
-    def observe_tick(self, forwards: list[tuple[str, list[SegmentShape], float]], compare: bool = True) -> None:
+    def observe_tick(self, forwards: list[tuple[str, list[SegmentShape], float]], calibration: bool = False) -> None:
         """Fold in one tick's forwards: (weights, segments, compute seconds with the tier's wait taken out).
 
-        The tick's prediction is compared first (unless `compare` is False: a calibration), when every
-        weight set in it is past its warm-up."""
-        compared = compare and all(self._seen.get(weights, 0) >= self.warm_up and self.ready(weights)
+        The tick's prediction is compared first, when every weight set in it is past its warm-up; a
+        `calibration`'s is not, and its forwards are anchored (never forgotten) and kept in `calibration`."""
+        compared = not calibration and all(self._seen.get(weights, 0) >= self.warm_up and self.ready(weights)
                        for weights, _, _ in forwards)
         if compared and forwards:
             predicted = sum(self.forward_s(weights, segments) for weights, segments, _ in forwards)
@@ -214,7 +236,20 @@ class ForwardCostModel:
                 # One forward slowed by the shared machine counts at most `max_ratio` times its prediction:
                 # the fit follows drift over several forwards, not a single stall.
                 seconds = min(seconds, self.max_ratio * max(fit.predict(x), 1e-6))
-            fit.observe(x, seconds)
+            fit.observe(x, seconds, anchored=calibration)
+            if calibration:
+                self.calibration.setdefault(weights, []).append([*x, seconds])
+
+    def restore(self, calibration: dict[str, list[list[float]]], calibrated_batch: int) -> None:
+        """Fold in an earlier run's calibration forwards (`calibration`'s rows), anchored, as if measured now.
+
+        The first live forward of each weight set is still taken as its warm-up."""
+        for weights, rows in calibration.items():
+            fit = self.fits.setdefault(weights, LinearFit())
+            for row in rows:
+                fit.observe(row[:NUM_FEATURES], row[NUM_FEATURES], anchored=True)
+            self.calibration.setdefault(weights, []).extend(rows)
+        self.calibrated_batch = max(self.calibrated_batch, calibrated_batch)
 
     def coefficients(self) -> dict[str, list[float]]:
         """Each weight set's fitted [c0, c1, c2, c3, c4, c5] (seconds per feature unit)."""

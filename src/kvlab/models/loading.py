@@ -102,17 +102,21 @@ class LoadedModel:
         """
         if not text.strip():
             raise ConfigError("the prompt is empty; pass some text with --prompt or --prompt-file")
-        if raw or not self.has_chat_template:
-            return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
-        encoded: Any = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
-        # transformers 5 returns a BatchEncoding here; 4.x returned a plain list.
-        ids: Any = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
-        return [int(i) for i in ids]
+        return prompt_token_ids(self.tokenizer, text, raw)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+
+def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, text: str, raw: bool = False) -> list[int]:
+    """`LoadedModel.encode_prompt` for a tokenizer alone (a process that loads no model: vLLM's)."""
+    if raw or not getattr(tokenizer, "chat_template", None):
+        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    encoded: Any = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                 tokenize=True)
+    # transformers 5 returns a BatchEncoding here; 4.x returned a plain list.
+    ids: Any = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+    return [int(i) for i in ids]
 
 
 def load_model(

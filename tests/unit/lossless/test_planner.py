@@ -102,7 +102,7 @@ class ScriptedCosts(ForwardCostModel):
             raise AssertionError
         return self.step_s + self.verify_token_s * (segment.num_tokens - 1)
 
-    def observe_tick(self, forwards: list[tuple[str, list[SegmentShape], float]], compare: bool = True) -> None:
+    def observe_tick(self, forwards: list[tuple[str, list[SegmentShape], float]], calibration: bool = False) -> None:
         return None
 
 

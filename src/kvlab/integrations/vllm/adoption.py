@@ -74,7 +74,8 @@ class ProposerStats:
     forwards (catch-up tokens included: `num_catch_up_tokens` counts every token fed before the
     first draft, one per row with the hand-over). The rest of `total_s` is bookkeeping.
     `num_draft_tokens` counts the compressed cache's drafts, `num_lookup_draft_tokens` prompt lookup's;
-    `num_plain_rows` the rows that proposed nothing (no round was expected to beat their plain step).
+    `num_lookup_rounds` and `num_cache_rounds` count the row steps each source drafted for, and
+    `num_plain_rows` those that proposed nothing (no round was expected to beat their plain step).
     """
 
     num_calls: int = 0
@@ -88,6 +89,7 @@ class ProposerStats:
     num_draft_forwards: int = 0
     num_lookup_rounds: int = 0
     num_lookup_draft_tokens: int = 0
+    num_cache_rounds: int = 0
     num_plain_rows: int = 0
     handover_s: float = 0.0
     adopt_s: float = 0.0

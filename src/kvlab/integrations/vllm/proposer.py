@@ -55,8 +55,9 @@ from kvlab.generation.config import GenerationConfig
 from kvlab.integrations.vllm.adoption import DraftSequence, HandoverMismatch, ProposerStats, SequenceBuilder
 from kvlab.integrations.vllm.handover import BOARD, LayerKV, StepHandover, engine_key
 from kvlab.integrations.vllm.model import served_model, transformers_model
-from kvlab.integrations.vllm.sources import CACHE, LOOKUP, StepCosts, plan_rows, running_mean
+from kvlab.integrations.vllm.sources import CACHE, LOOKUP, StepCosts, plan_rows
 from kvlab.lossless.compressed_cache import CompressedCacheDrafter
+from kvlab.lossless.cost_model import SegmentShape
 from kvlab.lossless.drafter import Offer
 from kvlab.lossless.prompt_lookup import PromptLookup, split_drafter_name
 from kvlab.models import LoadedModel
@@ -141,6 +142,8 @@ class KVLabDraftProposer:
         self.stats = ProposerStats()
         self.costs = StepCosts(self.draft_weights)
         self._since_propose: Stopwatch | None = None
+        # vLLM's next step, as the last call proposed it: the rows' indices and segments (proposal + 1 tokens).
+        self._proposed: tuple[list[int], list[SegmentShape]] = ([], [])
         self._said_no_handover = False
 
     def load_model(self, target_model: Any = None) -> None:
@@ -188,13 +191,16 @@ class KVLabDraftProposer:
             rows.append(row)
             histories.append(history)
             sequences.append(sequence)
-        if verified and since_last_s is not None:
-            # vLLM's step, measured only across a step that verified drafts of the last call: idle time
-            # between requests and a new request's prefill are not what a round costs.
-            self.costs.step_s = running_mean(self.costs.step_s, since_last_s)
+        last_rows, last_shapes = self._proposed
+        if verified and since_last_s is not None and rows == last_rows:
+            # vLLM's step, measured only across a step that verified drafts of the last call over the same
+            # rows: idle time between requests and a new request's prefill are not what a round costs.
+            self.costs.observe_step(last_shapes, since_last_s)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for row, drafted in zip(rows, self._draft(sequences, histories), strict=True):
             drafts[row] = drafted
+        self._proposed = (rows, [SegmentShape(len(drafts[row]) + 1, len(history) - 1)
+                                 for row, history in zip(rows, histories, strict=True)])
         if self.by_prefix:
             idle = [sequence for sequence in self.by_prefix if all(sequence is not s for s in sequences)]
             self.by_prefix = [s for s in sequences if s in self.by_prefix] + idle[:_MAX_IDLE_SEQUENCES]
@@ -279,9 +285,10 @@ class KVLabDraftProposer:
         offers = [self.lookup.offer(row, row, k) if self.lookup is not None else None for row in rows]
         lookups = [offer.token_ids or [] if offer is not None else [] for offer in offers]
         cached = [int(sequence.cache.layers[0].lengths[0]) for sequence in sequences]  # type: ignore[attr-defined]
+        contexts = [len(history) - 1 for history in histories]
         # `fixed`: costs never measured, so every row takes its lookup where it has one, else the cache, at k.
         costs = self.costs if self.draft_length == "auto" else StepCosts(self.draft_weights)
-        plans = plan_rows([sequence.sources for sequence in sequences], lookups, cached, k, costs)
+        plans = plan_rows([sequence.sources for sequence in sequences], lookups, cached, contexts, k, costs)
         drafts: list[list[int]] = [[] for _ in sequences]
         for index, (plan, lookup) in enumerate(zip(plans, lookups, strict=True)):
             if plan.source == LOOKUP:
@@ -289,6 +296,7 @@ class KVLabDraftProposer:
                 self.stats.num_lookup_rounds += 1
                 self.stats.num_lookup_draft_tokens += len(drafts[index])
         cache_rows = [index for index, plan in enumerate(plans) if plan.source == CACHE]
+        self.stats.num_cache_rounds += len(cache_rows)
         from_cache = self._draft_from_caches([sequences[i] for i in cache_rows], [rows[i] for i in cache_rows],
                                              [plans[i].num_draft_tokens for i in cache_rows])
         for index, drafted in zip(cache_rows, from_cache, strict=True):
@@ -340,7 +348,7 @@ class KVLabDraftProposer:
 
     def _observe(self, batch: PackedBatch, seconds: float) -> None:
         """A packed draft forward: kvlab's cost model of them sees it."""
-        self.costs.draft.observe_tick([(self.draft_weights, batch.shapes, seconds)])
+        self.costs.observe_draft(batch.shapes, seconds)
         self.stats.num_draft_forwards += 1
 
 

@@ -2,11 +2,15 @@
 
 Each row keeps kvlab's `Acceptance` per drafter (prompt lookup, the compressed cache), updated from the
 tokens vLLM accepted of its last proposal. A step's choice is made for all rows together with the shared
-`choose_length` (`kvlab.lossless.planner`): vLLM's step verifies every row in one forward whatever it
-proposes, so a row's plain step costs its share of that step, and a lookup round no more; a round from
-the compressed cache adds its share of the packed draft forwards, whose cost the rows drafting together
-split (kvlab's fitted cost model of those forwards). A row whose best round does not beat its plain step
-proposes nothing.
+`choose_length` (`kvlab.lossless.lengths`), from one fitted `ForwardCostModel` of both forwards a round
+runs (`StepCosts`):
+- vLLM's step, which verifies every row in one forward: each row is a segment of its proposal and the
+  token it sampled, after its context. A row's plain step costs its share of that step; a round of k
+  drafts costs the share of a k + 1 token segment, so a lookup's drafts are free to propose but not to
+  verify (at 4K and batch 4, vLLM's ngram verify steps took about 2.4 times its plain steps);
+- the proposer's packed draft forwards, whose cost the rows drafting from the compressed cache together
+  split.
+A row whose best round does not beat its plain step proposes nothing (vLLM then runs a plain step for it).
 """
 
 from __future__ import annotations
@@ -20,14 +24,10 @@ from kvlab.lossless.planner import Acceptance
 from kvlab.lossless.prompt_lookup import PromptLookup
 
 LOOKUP, CACHE = "prompt_lookup", "compressed_cache"
-# Weight of history in vLLM's step time.
-_DECAY = 0.7
+# The cost model's name for vLLM's step (the draft forwards go under the draft weights' name).
+VLLM_STEP = "vllm"
 # Prior acceptance of each source's drafts (a draft's, given the ones before it were accepted).
 PRIORS = {LOOKUP: PromptLookup.prior_acceptance, CACHE: CompressedCacheDrafter.prior_acceptance}
-
-
-def running_mean(old: float | None, sample: float) -> float:
-    return sample if old is None else _DECAY * old + (1 - _DECAY) * sample
 
 
 @dataclasses.dataclass(slots=True)
@@ -53,17 +53,28 @@ class RowRecord:
 
 @dataclasses.dataclass(slots=True)
 class StepCosts:
-    """What a vLLM step and the proposer's draft forwards cost.
+    """What a vLLM step and the proposer's draft forwards cost: kvlab's cost model fitted to both.
 
     Attributes:
         weights: The draft weights the proposer's forwards run.
-        draft: kvlab's cost model, fitted to the proposer's packed draft forwards.
-        step_s: vLLM's step, from one propose call's end to the next one's start (None until measured).
+        forwards: The fit of vLLM's steps (`VLLM_STEP`: each timed from one propose call's end to the next
+            one's start) and of the proposer's packed draft forwards (`weights`).
     """
 
     weights: str
-    draft: ForwardCostModel = dataclasses.field(default_factory=ForwardCostModel)
-    step_s: float | None = None
+    forwards: ForwardCostModel = dataclasses.field(default_factory=ForwardCostModel)
+
+    def ready(self) -> bool:
+        """Whether both forwards have been fitted."""
+        return self.forwards.ready(VLLM_STEP) and self.forwards.ready(self.weights)
+
+    def observe_step(self, rows: list[SegmentShape], seconds: float) -> None:
+        """vLLM's step over `rows` (each: its proposal + 1 tokens after its context) took `seconds`."""
+        self.forwards.observe_tick([(VLLM_STEP, rows, seconds)])
+
+    def observe_draft(self, rows: list[SegmentShape], seconds: float) -> None:
+        """One packed draft forward over `rows` took `seconds`."""
+        self.forwards.observe_tick([(self.weights, rows, seconds)])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,33 +85,38 @@ class RowPlan:
     num_draft_tokens: int
 
 
-def plan_rows(records: list[RowRecord], lookups: list[list[int]], cached: list[int], max_tokens: int,
-              costs: StepCosts, optimism: float = 1.0) -> list[RowPlan]:
+def plan_rows(records: list[RowRecord], lookups: list[list[int]], cached: list[int], contexts: list[int],
+              max_tokens: int, costs: StepCosts, optimism: float = 1.0) -> list[RowPlan]:
     """Each row's source and length for one vLLM step.
 
     Args:
         records: Per row, its acceptance and pending round.
         lookups: Per row, its prompt lookup's proposal ([] where none or no lookup).
         cached: Per row, the tokens its draft cache holds (what a draft forward attends over).
+        contexts: Per row, the tokens whose KV vLLM holds before the step (what its verify attends over).
         max_tokens: vLLM's `num_speculative_tokens`.
-        costs: vLLM's measured step and the fitted model of the proposer's draft forwards.
+        costs: The fitted model of vLLM's steps and of the proposer's draft forwards.
         optimism: Standard deviations of exploration (`choose_length`).
     """
-    if costs.step_s is None or not costs.draft.ready(costs.weights):
+    if not costs.ready():
         # Nothing measured yet: the free lookup where it has a proposal, else the cache (which measures).
         return [RowPlan(LOOKUP, len(p)) if p else RowPlan(CACHE, max_tokens) for p in lookups]
-    plain_s = costs.step_s / max(len(records), 1)
+    num_rows = len(records)
     num_cache_rows = max(sum(not lookup for lookup in lookups), 1)
     plans = []
-    for record, lookup, num_cached in zip(records, lookups, cached, strict=True):
-        best, best_rate = RowPlan(None, 0), 1.0 / plain_s
+    for record, lookup, num_cached, context in zip(records, lookups, cached, contexts, strict=True):
+        def verify_s(length: int, context: int = context) -> float:
+            return costs.forwards.share_s(VLLM_STEP, SegmentShape(length + 1, context), num_rows)
+
+        plain_s = verify_s(0)
+        best, best_rate = RowPlan(None, 0), 1.0 / max(plain_s, 1e-9)
         if lookup:
-            choice = choose_length(record.acceptance[LOOKUP], range(1, len(lookup) + 1), lambda _: plain_s, plain_s,
-                                   optimism)
-            best, best_rate = RowPlan(LOOKUP, choice.num_draft_tokens), choice.rate
-        draft_s = costs.draft.share_s(costs.weights, SegmentShape(1, num_cached), num_cache_rows)
+            choice = choose_length(record.acceptance[LOOKUP], range(1, len(lookup) + 1), verify_s, plain_s, optimism)
+            if choice.rate > best_rate:
+                best, best_rate = RowPlan(LOOKUP, choice.num_draft_tokens), choice.rate
+        draft_s = costs.forwards.share_s(costs.weights, SegmentShape(1, num_cached), num_cache_rows)
         choice = choose_length(record.acceptance[CACHE], range(1, max_tokens + 1),
-                               lambda length, draft_s=draft_s: plain_s + length * draft_s,  # type: ignore[misc]
+                               lambda length, draft_s=draft_s: verify_s(length) + length * draft_s,  # type: ignore[misc]
                                plain_s, optimism)
         if choice.rate > best_rate:
             best = RowPlan(CACHE, choice.num_draft_tokens)

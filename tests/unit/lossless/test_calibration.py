@@ -1,0 +1,105 @@
+"""The cost model's calibration: its forwards stay in the fit however many rounds of one shape follow, and a
+later run on the same machine starts from the kept calibration without running it again."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvlab.compress import create_compressor
+from kvlab.engine import Engine, Request
+from kvlab.generation import GenerationConfig
+from kvlab.lossless import LosslessConfig
+from kvlab.lossless import calibration as calibration_module
+from kvlab.lossless.calibration import CALIBRATION_DIR_ENV, CalibrationStore
+from kvlab.lossless.cost_model import ForwardCostModel, LinearFit, SegmentShape, features
+from tests.helpers import tiny_llama
+from tests.unit.lossless.test_lossless import DRAFTERS, _prompts
+
+TRUTH = torch.tensor([0.020, 0.0005, 0.002, 0.006, 0.003, 0.001], dtype=torch.float64)
+
+
+def _seconds(segments: list[SegmentShape]) -> float:
+    return float(torch.dot(TRUTH, torch.tensor(features(segments), dtype=torch.float64)))
+
+
+def _worst_extrapolation(anchored: bool, seed: int) -> float:
+    """The worst relative error, at 0, 2, 4 and 32 drafts, of a fit that saw a calibration (anchored or not)
+    and then 200 verifies of 8 to 10 drafts with 5% noise, as a run that keeps choosing about one length."""
+    generator = torch.Generator().manual_seed(seed)
+    fit = LinearFit()
+    for shape in ([SegmentShape(tokens, 8000)] for tokens in (1, 1, 9, 17)):
+        fit.observe(features(shape), _seconds(shape), anchored=anchored)
+    for index in range(200):
+        shape = [SegmentShape(int(torch.randint(9, 12, (1,), generator=generator)), 8000 + index)]
+        if index % 10 == 0:
+            shape = [SegmentShape(1, 8000 + index)]
+        noise = 1 + 0.05 * float(torch.randn(1, generator=generator))
+        fit.observe(features(shape), _seconds(shape) * noise)
+    shapes = [[SegmentShape(length + 1, 8200)] for length in (0, 2, 4, 32)]
+    return max(abs(fit.predict(features(shape)) - _seconds(shape)) / _seconds(shape) for shape in shapes)
+
+
+def test_calibration_forwards_keep_other_lengths_priced_after_rounds_of_about_one_length() -> None:
+    anchored = [_worst_extrapolation(True, seed) for seed in range(5)]
+    forgotten = [_worst_extrapolation(False, seed) for seed in range(5)]
+    assert sum(anchored) < 0.7 * sum(forgotten), (anchored, forgotten)
+
+
+def _lossless_run(loaded: object) -> list[int]:
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    lossless = LosslessConfig(create_compressor("snapkv", **DRAFTERS["snapkv"]), "auto",  # type: ignore[arg-type]
+                              draft_weights="bf16")
+    engine = Engine(loaded)  # type: ignore[arg-type]
+    request_id = engine.add_request(Request(_prompts(60)[0], config, lossless=lossless))
+    while engine.has_work():
+        engine.step()
+    return engine.output(request_id).token_ids
+
+
+def test_a_later_run_starts_from_the_kept_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CALIBRATION_DIR_ENV, str(tmp_path))
+    timed: list[int] = []
+    original = calibration_module._timed_packed
+    monkeypatch.setattr(calibration_module, "_timed_packed",
+                        lambda *args, **kwargs: timed.append(1) or original(*args, **kwargs))
+    loaded = tiny_llama(num_kv_heads=2)
+    first = _lossless_run(loaded)
+    kept = list(tmp_path.glob("*.json"))
+    assert len(kept) == 1 and timed
+    rows = json.loads(kept[0].read_text())["rows"]
+    assert set(rows) == {"same", "bf16"} and all(len(row) == 7 for weight_rows in rows.values() for row in weight_rows)
+    timed.clear()
+    assert _lossless_run(loaded) == first
+    assert not timed  # fitted from the file: no calibration forward ran
+    costs = ForwardCostModel()
+    CalibrationStore.for_model(loaded.source, loaded.dtype, loaded.device).restore(costs)
+    assert costs.ready("same") and costs.ready("bf16")
+    assert costs.calibration == rows
+
+
+def test_an_unreadable_kept_calibration_is_a_run_that_calibrates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv(CALIBRATION_DIR_ENV, str(tmp_path))
+    loaded = tiny_llama(num_kv_heads=2)
+    store = CalibrationStore.for_model(loaded.source, loaded.dtype, loaded.device)
+    assert store.path is not None
+    store.path.parent.mkdir(parents=True, exist_ok=True)
+    store.path.write_text("{not json")
+    _lossless_run(loaded)
+    assert "ignoring the kept calibration" in caplog.text
+    assert json.loads(store.path.read_text())["rows"]  # replaced by this run's
+
+
+def test_the_kept_calibration_is_one_file_per_model_and_dtype_and_none_when_the_folder_is_empty(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CALIBRATION_DIR_ENV, str(tmp_path))
+    device = torch.device("cpu")
+    paths = {CalibrationStore.for_model(source, dtype, device).path
+             for source in ("a", "b") for dtype in (torch.float32, torch.bfloat16)}
+    assert len(paths) == 4 and CalibrationStore.for_model("a", torch.float32, device).path in paths
+    monkeypatch.setenv(CALIBRATION_DIR_ENV, "")
+    assert CalibrationStore.for_model("a", torch.float32, device).path is None
