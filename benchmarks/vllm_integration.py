@@ -184,7 +184,11 @@ def decode_child(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str
     if drafted:
         result.update(acceptance_rate=accepted / drafted, acceptance_length=1 + accepted / max(drafts, 1))
     if proposer is not None:
-        result["proposer"] = {**dataclasses.asdict(proposer.stats), "request_wall_s": total_s}
+        fit = proposer.costs.forwards.fit
+        result["proposer"] = {**dataclasses.asdict(proposer.stats), "request_wall_s": total_s,
+                              "cost_model": {"coefficients": proposer.costs.forwards.coefficients(),
+                                             "mean_relative_error": fit.mean_relative_error,
+                                             "num_ticks": fit.num_ticks}}
     shutdown(llm)
     return result
 

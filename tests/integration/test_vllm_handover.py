@@ -26,6 +26,7 @@ from kvlab.integrations.vllm.handover import (
 )
 from kvlab.integrations.vllm.layouts import CPUTransposedKeyLayout, slots_of
 from kvlab.integrations.vllm.proposer import KVLabDraftProposer
+from kvlab.integrations.vllm.sources import StepCosts
 from kvlab.lossless.cost_model import SegmentShape
 from kvlab.models import LoadedModel
 from tests.helpers import tiny_llama
@@ -277,11 +278,21 @@ def test_every_drafter_drafts_from_a_hand_over(tiny: LoadedModel, name: str) -> 
     assert drafts == propose(prefilled, [history], None)
 
 
+def fitted_costs(weights: str, draft_forward_s: float) -> StepCosts:
+    """vLLM steps of 100 ms whatever the rows propose, and draft forwards of `draft_forward_s`."""
+    costs = StepCosts(weights)
+    for proposed in (0, 4, 2, 0, 3, 1, 4, 2, 0):
+        costs.observe_step([SegmentShape(proposed + 1, 60)], 0.1)
+        costs.observe_draft([SegmentShape(1, 30)], draft_forward_s)
+    return costs
+
+
 def test_a_lookup_round_drafts_no_forward_and_the_cache_catches_up_from_the_pages(tiny: LoadedModel) -> None:
     from kvlab.lossless.prompt_lookup import PromptLookup, find_continuation
 
     proposer = proposer_for(tiny, "snapkv", draft_length="auto", compression_ratio=0.0)
     proposer.lookup = PromptLookup()
+    proposer.costs = fitted_costs(proposer.draft_weights, draft_forward_s=1.0)  # the cache: too dear to draft
     pages = Pages(tiny)
     history = PROMPTS[1][:30] * 2 + [PROMPTS[1][30]]
     drafts = propose(proposer, [history], pages.step([pages.write("a", history[:-1])]))
@@ -290,11 +301,30 @@ def test_a_lookup_round_drafts_no_forward_and_the_cache_catches_up_from_the_page
     assert proposer.stats.num_lookup_draft_tokens == len(drafts[0]) and proposer.stats.num_draft_tokens == 0
     # The lookup's round emitted 1 token; the cache is expected to emit about 3.4 in a round of 4 drafts at
     # 10 ms each beside a 100 ms step: the cache drafts next.
-    for proposed in (0, 4, 2, 0, 3):
-        proposer.costs.observe_step([SegmentShape(proposed + 1, 60)], 0.1)
-        proposer.costs.observe_draft([SegmentShape(1, 30)], 0.01)
+    proposer.costs = fitted_costs(proposer.draft_weights, draft_forward_s=0.01)
     grown = history + [PROMPTS[1][31]]  # the repetition goes on: the lookup has a proposal again
     assert find_continuation(grown, NUM_SPECULATIVE_TOKENS, PromptLookup())
     drafts = propose(proposer, [grown], pages.step([pages.write("a", grown[:-1])]))
     assert drafts[0] == greedy_continuation(tiny, grown, NUM_SPECULATIVE_TOKENS)
     assert proposer.stats.num_draft_forwards == NUM_SPECULATIVE_TOKENS and proposer.stats.fallbacks == {}
+
+
+def test_vllm_steps_are_timed_only_where_they_decoded_the_last_calls_sequences_and_nothing_else(
+        tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    timed: list[list[int]] = []
+    monkeypatch.setattr(StepCosts, "observe_step", lambda self, rows, seconds: timed.append(
+        [row.num_tokens for row in rows]))
+    proposer = proposer_for(tiny, "snapkv", compression_ratio=0.0)
+    pages = Pages(tiny)
+    history = PROMPTS[0] + [17]
+    propose(proposer, [history], pages.step([pages.write("a", history[:-1])]))
+    assert timed == []  # the step before a request's first call prefilled it
+    history = history + [5]
+    propose(proposer, [history], pages.step([pages.write("a", history[:-1])]))
+    assert timed == [[NUM_SPECULATIVE_TOKENS + 1]]  # the last call's proposal and its sampled token
+    # A step that ran a chunk of another request's prefill (its row sampled nothing) is not timed.
+    history = history + [6]
+    BOARD.publish(proposer.engine, pages.step([pages.write("a", history[:-1])]))
+    lengths, token_ids = batch([history, PROMPTS[1][:20]])
+    proposer.propose([[history[-1]], []], lengths, token_ids)
+    assert len(timed) == 1

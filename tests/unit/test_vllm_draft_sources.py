@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.integrations.vllm.sources import CACHE, LOOKUP, RowPlan, RowRecord, StepCosts, plan_rows
+from kvlab.integrations.vllm.sources import CACHE, LOOKUP, RowPlan, RowRecord, StepCosts, fixed_plans, plan_rows
 from kvlab.lossless.cost_model import SegmentShape
 
 
@@ -27,9 +27,21 @@ def record(source: str, num_drafted: int, num_emitted: int, rounds: int) -> RowR
     return row
 
 
-def test_before_anything_is_measured_the_lookup_is_tried_where_it_has_a_proposal() -> None:
-    plans = plan_rows([RowRecord(), RowRecord()], [[5, 6, 7], []], [100, 100], [100, 100], 4, StepCosts("int8"))
-    assert plans == [RowPlan(LOOKUP, 3), RowPlan(CACHE, 4)]
+def test_before_the_costs_are_fitted_rows_propose_every_length_from_both_sources_in_turn() -> None:
+    costs = StepCosts("int8")
+    steps = [plan_rows([RowRecord(), RowRecord()], [[5, 6, 7, 8], []], [100, 100], [100, 100], 4, costs)
+             for _ in range(10)]
+    for row in range(2):
+        plans = [step[row] for step in steps]
+        assert {plan.num_draft_tokens for plan in plans} == {0, 1, 2, 3, 4}
+        assert all(plan.source is None for plan in plans if plan.num_draft_tokens == 0)
+    assert {plan.source for plan in (step[0] for step in steps) if plan.source} == {LOOKUP, CACHE}
+    assert {plan.source for plan in (step[1] for step in steps) if plan.source} == {CACHE}  # it has no lookup
+    assert costs.num_bootstrap_steps == 10
+
+
+def test_a_fixed_length_takes_the_lookup_where_it_has_one_else_the_cache() -> None:
+    assert fixed_plans([[5, 6, 7], []], 4) == [RowPlan(LOOKUP, 3), RowPlan(CACHE, 4)]
 
 
 def test_a_row_whose_cache_drafts_are_never_accepted_proposes_nothing() -> None:

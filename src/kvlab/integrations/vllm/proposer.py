@@ -55,7 +55,7 @@ from kvlab.generation.config import GenerationConfig
 from kvlab.integrations.vllm.adoption import DraftSequence, HandoverMismatch, ProposerStats, SequenceBuilder
 from kvlab.integrations.vllm.handover import BOARD, LayerKV, StepHandover, engine_key
 from kvlab.integrations.vllm.model import served_model, transformers_model
-from kvlab.integrations.vllm.sources import CACHE, LOOKUP, StepCosts, plan_rows
+from kvlab.integrations.vllm.sources import CACHE, LOOKUP, StepCosts, fixed_plans, plan_rows
 from kvlab.lossless.compressed_cache import CompressedCacheDrafter
 from kvlab.lossless.cost_model import SegmentShape
 from kvlab.lossless.drafter import Offer
@@ -142,8 +142,8 @@ class KVLabDraftProposer:
         self.stats = ProposerStats()
         self.costs = StepCosts(self.draft_weights)
         self._since_propose: Stopwatch | None = None
-        # vLLM's next step, as the last call proposed it: the rows' indices and segments (proposal + 1 tokens).
-        self._proposed: tuple[list[int], list[SegmentShape]] = ([], [])
+        # vLLM's next step, as the last call proposed it: its sequences and their segments (proposal + 1 tokens).
+        self._proposed: tuple[list[DraftSequence], list[SegmentShape]] = ([], [])
         self._said_no_handover = False
 
     def load_model(self, target_model: Any = None) -> None:
@@ -179,28 +179,29 @@ class KVLabDraftProposer:
         since_last_s = self._since_propose.elapsed() if self._since_propose is not None else None
         handover = self._take_handover()
         rows, histories, sequences = [], [], []
-        verified = False
         for row, sampled in enumerate(sampled_token_ids):
             num_tokens = int(num_tokens_no_spec[row])
             if not sampled or num_tokens + self.num_speculative_tokens >= self.max_model_len:
                 continue
             history = np.asarray(token_ids_cpu[row, :num_tokens], dtype=np.int64)
             sequence = self._sequence_for(row, history, handover)
-            verified |= sequence.sources.pending is not None
             sequence.sources.record(len(sampled))
             rows.append(row)
             histories.append(history)
             sequences.append(sequence)
-        last_rows, last_shapes = self._proposed
-        if verified and since_last_s is not None and rows == last_rows:
-            # vLLM's step, measured only across a step that verified drafts of the last call over the same
-            # rows: idle time between requests and a new request's prefill are not what a round costs.
+        last_sequences, last_shapes = self._proposed
+        decoding_only = all(sampled_token_ids) and len(sequences) == len(last_sequences) and all(
+            sequence is last for sequence, last in zip(sequences, last_sequences, strict=True))
+        if since_last_s is not None and decoding_only:
+            # vLLM's step, measured only where it decoded the last call's sequences and nothing else: idle time
+            # between requests and prefill (a new request's, or a chunk of one still prefilling: a row with no
+            # sampled token) are not what a round costs.
             self.costs.observe_step(last_shapes, since_last_s)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         for row, drafted in zip(rows, self._draft(sequences, histories), strict=True):
             drafts[row] = drafted
-        self._proposed = (rows, [SegmentShape(len(drafts[row]) + 1, len(history) - 1)
-                                 for row, history in zip(rows, histories, strict=True)])
+        self._proposed = (sequences, [SegmentShape(len(drafts[row]) + 1, len(history) - 1)
+                                      for row, history in zip(rows, histories, strict=True)])
         if self.by_prefix:
             idle = [sequence for sequence in self.by_prefix if all(sequence is not s for s in sequences)]
             self.by_prefix = [s for s in sequences if s in self.by_prefix] + idle[:_MAX_IDLE_SEQUENCES]
@@ -286,9 +287,10 @@ class KVLabDraftProposer:
         lookups = [offer.token_ids or [] if offer is not None else [] for offer in offers]
         cached = [int(sequence.cache.layers[0].lengths[0]) for sequence in sequences]  # type: ignore[attr-defined]
         contexts = [len(history) - 1 for history in histories]
-        # `fixed`: costs never measured, so every row takes its lookup where it has one, else the cache, at k.
-        costs = self.costs if self.draft_length == "auto" else StepCosts(self.draft_weights)
-        plans = plan_rows([sequence.sources for sequence in sequences], lookups, cached, contexts, k, costs)
+        if self.draft_length == "auto":
+            plans = plan_rows([sequence.sources for sequence in sequences], lookups, cached, contexts, k, self.costs)
+        else:
+            plans = fixed_plans(lookups, k)
         drafts: list[list[int]] = [[] for _ in sequences]
         for index, (plan, lookup) in enumerate(zip(plans, lookups, strict=True)):
             if plan.source == LOOKUP:

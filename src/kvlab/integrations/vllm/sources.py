@@ -26,6 +26,12 @@ from kvlab.lossless.prompt_lookup import PromptLookup
 LOOKUP, CACHE = "prompt_lookup", "compressed_cache"
 # The cost model's name for vLLM's step (the draft forwards go under the draft weights' name).
 VLLM_STEP = "vllm"
+# vLLM steps fitted before the plan trusts the fit. Until then rows propose rounds of every length from 0
+# to the most, in turn, from the lookup and the cache in turn (`bootstrap_plans`): steps where every row
+# proposed its full round cannot tell a verify's cost from a plain step's, and a fit that priced verifies
+# wrongly kept every row plain for the rest of a request, so it never saw another verify (measured at 4K,
+# batch 1 and 4: 115 of 124 and 445 of 484 row steps proposed nothing).
+MIN_STEPS_FITTED = 8
 # Prior acceptance of each source's drafts (a draft's, given the ones before it were accepted).
 PRIORS = {LOOKUP: PromptLookup.prior_acceptance, CACHE: CompressedCacheDrafter.prior_acceptance}
 
@@ -59,14 +65,17 @@ class StepCosts:
         weights: The draft weights the proposer's forwards run.
         forwards: The fit of vLLM's steps (`VLLM_STEP`: each timed from one propose call's end to the next
             one's start) and of the proposer's packed draft forwards (`weights`).
+        num_bootstrap_steps: Steps planned before both were fitted (`bootstrap_plans`).
     """
 
     weights: str
     forwards: ForwardCostModel = dataclasses.field(default_factory=ForwardCostModel)
+    num_bootstrap_steps: int = 0
 
     def ready(self) -> bool:
-        """Whether both forwards have been fitted."""
-        return self.forwards.ready(VLLM_STEP) and self.forwards.ready(self.weights)
+        """Whether both forwards have been fitted (vLLM's step over MIN_STEPS_FITTED steps)."""
+        steps = self.forwards.fits.get(VLLM_STEP)
+        return steps is not None and steps.num_observed >= MIN_STEPS_FITTED and self.forwards.ready(self.weights)
 
     def observe_step(self, rows: list[SegmentShape], seconds: float) -> None:
         """vLLM's step over `rows` (each: its proposal + 1 tokens after its context) took `seconds`."""
@@ -99,8 +108,8 @@ def plan_rows(records: list[RowRecord], lookups: list[list[int]], cached: list[i
         optimism: Standard deviations of exploration (`choose_length`).
     """
     if not costs.ready():
-        # Nothing measured yet: the free lookup where it has a proposal, else the cache (which measures).
-        return [RowPlan(LOOKUP, len(p)) if p else RowPlan(CACHE, max_tokens) for p in lookups]
+        costs.num_bootstrap_steps += 1
+        return bootstrap_plans(lookups, max_tokens, costs.num_bootstrap_steps)
     num_rows = len(records)
     num_cache_rows = max(sum(not lookup for lookup in lookups), 1)
     plans = []
@@ -126,3 +135,23 @@ def plan_rows(records: list[RowRecord], lookups: list[list[int]], cached: list[i
             if source != plan.source:
                 acceptance.age()
     return plans
+
+
+def bootstrap_plans(lookups: list[list[int]], max_tokens: int, step: int) -> list[RowPlan]:
+    """Rows' plans while the costs are not fitted: row i of step `step` proposes (step + i) mod
+    (max_tokens + 1) tokens (0: nothing), from its lookup on even turns where it has one, else from the cache."""
+    plans = []
+    for index, lookup in enumerate(lookups):
+        length = (step + index) % (max_tokens + 1)
+        if length == 0:
+            plans.append(RowPlan(None, 0))
+        elif lookup and (step + index) // (max_tokens + 1) % 2 == 0:
+            plans.append(RowPlan(LOOKUP, min(length, len(lookup))))
+        else:
+            plans.append(RowPlan(CACHE, length))
+    return plans
+
+
+def fixed_plans(lookups: list[list[int]], max_tokens: int) -> list[RowPlan]:
+    """`fixed`: every row proposes `max_tokens`, its lookup's continuation where it has one, else the cache's."""
+    return [RowPlan(LOOKUP, len(lookup)) if lookup else RowPlan(CACHE, max_tokens) for lookup in lookups]
