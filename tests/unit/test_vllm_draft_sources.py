@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.integrations.vllm.sources import CACHE, LOOKUP, RowPlan, RowRecord, StepCosts, fixed_plans, plan_rows
+from kvlab.integrations.vllm.sources import (
+    CACHE,
+    LOOKUP,
+    RowPlan,
+    RowRecord,
+    StepCosts,
+    bootstrap_plans,
+    fixed_plans,
+    plan_rows,
+)
 from kvlab.lossless.cost_model import SegmentShape
 
 
@@ -38,6 +47,8 @@ def test_before_the_costs_are_fitted_rows_propose_every_length_from_both_sources
     assert {plan.source for plan in (step[0] for step in steps) if plan.source} == {LOOKUP, CACHE}
     assert {plan.source for plan in (step[1] for step in steps) if plan.source} == {CACHE}  # it has no lookup
     assert costs.num_bootstrap_steps == 10
+    fitted_drafts = [bootstrap_plans([[5, 6, 7, 8]], 4, step, drafts_fitted=True)[0] for step in range(10)]
+    assert {plan.source for plan in fitted_drafts} == {LOOKUP, None}  # the cache's turns end once it is fitted
 
 
 def test_a_fixed_length_takes_the_lookup_where_it_has_one_else_the_cache() -> None:

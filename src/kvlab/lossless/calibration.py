@@ -1,8 +1,10 @@
 """A short calibration of the cost model on a new lossless sequence's own caches, rolled back after.
 
 The planner costs a round before it runs it, so its first round needs a fitted model. A few forwards
-cover the shapes a round runs: plain steps and verifies of 8 and 16 drafts on the served weights,
-and draft steps on the weights that draft. Each feeds copies of one token and is rolled back at once
+cover the shapes a round runs: plain steps and verifies of 8 and 16 drafts on the served weights, and
+draft steps on the weights that draft; again for a cache more than twice as long as any calibrated (the
+keys' coefficients need more than one length, and a short warm-up request must not stand for a long one).
+Each feeds copies of one token and is rolled back at once
 (`drop_last`, the same rollback as a rejected draft's), so the caches hold exactly what they held.
 A full KV on a slower tier is not read (every read would cost the link): the served weights are then
 calibrated on the draft cache, which is in fast memory.
@@ -52,10 +54,12 @@ DRAFT_STEPS = 3
 def calibrate(
     costs: ForwardCostModel, models: dict[str, torch.nn.Module], full: KVCache, draft: KVCache, token_id: int
 ) -> None:
-    """Fit `costs` for each weight set in `models` ("same" for the served weights) not fitted yet."""
+    """Fit `costs` for each weight set in `models` ("same" for the served weights) whose calibration does not
+    cover these caches' lengths yet (`ForwardCostModel.calibration_covers`)."""
     served = draft if isinstance(full.layers[0], TieredKVLayer) else full
     for weights, model in models.items():
-        if costs.ready(weights):
+        cache = served if weights == "same" else draft
+        if costs.calibration_covers(weights, cache.layers[0].lengths[0]):  # type: ignore[attr-defined]
             continue
         if weights == "same":
             runs = [(served, tokens) for tokens in SERVED_TOKENS] + [(draft, 1)] * DRAFT_STEPS

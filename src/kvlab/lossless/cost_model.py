@@ -48,6 +48,8 @@ from kvlab.attention import FOLDED_SCORES_MAX_QUERIES
 KEYS_UNIT = 1e3
 PAIRS_UNIT = 1e5
 NUM_FEATURES = 6
+# A calibration over T keys stands for caches up to this many times longer.
+CALIBRATION_COVERAGE = 2
 # Forwards a fit has seen before an outlier is clipped to `ForwardCostModel.max_ratio` x its prediction.
 MIN_FORWARDS_TO_CLIP = 8
 
@@ -239,6 +241,11 @@ class ForwardCostModel:
             fit.observe(x, seconds, anchored=calibration)
             if calibration:
                 self.calibration.setdefault(weights, []).append([*x, seconds])
+
+    def calibration_covers(self, weights: str, num_cached: int) -> bool:
+        """Whether `weights` has a calibration forward over at least half of `num_cached` keys."""
+        rows = self.calibration.get(weights, [])
+        return any((row[2] + row[3]) * KEYS_UNIT * CALIBRATION_COVERAGE >= num_cached for row in rows)
 
     def restore(self, calibration: dict[str, list[list[float]]], calibrated_batch: int) -> None:
         """Fold in an earlier run's calibration forwards (`calibration`'s rows), anchored, as if measured now.

@@ -103,3 +103,12 @@ def test_the_kept_calibration_is_one_file_per_model_and_dtype_and_none_when_the_
     assert len(paths) == 4 and CalibrationStore.for_model("a", torch.float32, device).path in paths
     monkeypatch.setenv(CALIBRATION_DIR_ENV, "")
     assert CalibrationStore.for_model("a", torch.float32, device).path is None
+
+
+def test_a_cache_twice_as_long_as_any_calibrated_is_calibrated_again() -> None:
+    costs = ForwardCostModel(warm_up=0)
+    costs.observe_tick([("same", [SegmentShape(9, 120)], 0.02)], calibration=True)
+    assert costs.calibration_covers("same", 200) and not costs.calibration_covers("same", 300)
+    assert not costs.calibration_covers("int8", 10)
+    costs.observe_tick([("same", [SegmentShape(1, 8000)], 0.03)])  # a live forward is not a calibration
+    assert not costs.calibration_covers("same", 300)

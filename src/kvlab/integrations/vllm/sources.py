@@ -109,7 +109,7 @@ def plan_rows(records: list[RowRecord], lookups: list[list[int]], cached: list[i
     """
     if not costs.ready():
         costs.num_bootstrap_steps += 1
-        return bootstrap_plans(lookups, max_tokens, costs.num_bootstrap_steps)
+        return bootstrap_plans(lookups, max_tokens, costs.num_bootstrap_steps, costs.forwards.ready(costs.weights))
     num_rows = len(records)
     num_cache_rows = max(sum(not lookup for lookup in lookups), 1)
     plans = []
@@ -137,15 +137,17 @@ def plan_rows(records: list[RowRecord], lookups: list[list[int]], cached: list[i
     return plans
 
 
-def bootstrap_plans(lookups: list[list[int]], max_tokens: int, step: int) -> list[RowPlan]:
+def bootstrap_plans(lookups: list[list[int]], max_tokens: int, step: int, drafts_fitted: bool) -> list[RowPlan]:
     """Rows' plans while the costs are not fitted: row i of step `step` proposes (step + i) mod
-    (max_tokens + 1) tokens (0: nothing), from its lookup on even turns where it has one, else from the cache."""
+    (max_tokens + 1) tokens (0: nothing), from its lookup where it has one, else from the cache; while the
+    draft forwards are not fitted, from the cache on every other turn (so that they get fitted)."""
     plans = []
     for index, lookup in enumerate(lookups):
         length = (step + index) % (max_tokens + 1)
+        cache_turn = not drafts_fitted and (step + index) // (max_tokens + 1) % 2 == 1
         if length == 0:
             plans.append(RowPlan(None, 0))
-        elif lookup and (step + index) // (max_tokens + 1) % 2 == 0:
+        elif lookup and not cache_turn:
             plans.append(RowPlan(LOOKUP, min(length, len(lookup))))
         else:
             plans.append(RowPlan(CACHE, length))
