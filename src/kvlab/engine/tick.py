@@ -106,9 +106,9 @@ class Decoder:
         return stopped, verified
 
     def calibrate(self, weights: str, full: KVCache, draft: KVCache, token_id: int) -> None:
-        """Fit the cost model to the served weights and `weights` (in `weight_sets`) where it is not fitted:
-        from an earlier run's calibration on this machine when one is kept, else by `calibrate`'s forwards
-        on a new lossless sequence's caches."""
+        """Fit the cost model to the served weights and `weights` (in `weight_sets`): from the calibration an
+        earlier run on this machine kept, and by `calibrate`'s forwards on a new lossless sequence's caches
+        where no calibration covers their lengths yet (the new ones are kept)."""
         costs = self.planner.costs
         if not self._restored:
             self._restored = True

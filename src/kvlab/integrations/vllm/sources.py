@@ -7,7 +7,7 @@ runs (`StepCosts`):
 - vLLM's step, which verifies every row in one forward: each row is a segment of its proposal and the
   token it sampled, after its context. A row's plain step costs its share of that step; a round of k
   drafts costs the share of a k + 1 token segment, so a lookup's drafts are free to propose but not to
-  verify (at 4K and batch 4, vLLM's ngram verify steps took about 2.4 times its plain steps);
+  verify (fitted at 4K, batch 1: a verify of 4 drafts at about 1.3 plain steps, docs/vllm.md);
 - the proposer's packed draft forwards, whose cost the rows drafting from the compressed cache together
   split.
 A row whose best round does not beat its plain step proposes nothing (vLLM then runs a plain step for it).
