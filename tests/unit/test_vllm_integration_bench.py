@@ -75,7 +75,7 @@ def test_decode_rows_run_without_starting_redis_server(bench: ModuleType, monkey
     monkeypatch.setattr(bench, "spawn", measured)
     monkeypatch.setattr(bench, "start_redis", no_server)
     rows = ["vllm cold", *bench.DECODE_ROWS]
-    args = argparse.Namespace(rows=rows, prefix_tokens=64)
+    args = argparse.Namespace(rows=rows, prefix_tokens=64, prompt="doc", batch=1)
     assert [row["setting"] for row in bench.parent(args)] == rows
 
 
