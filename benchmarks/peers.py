@@ -175,7 +175,7 @@ def vllm_row(prompt: list[int], row: str, new_tokens: int) -> dict[str, Any]:
         raise RuntimeError("vLLM rows need .venv-vllm: run `make vllm-setup`")
     kind = {"vllm plain": "vllm plain", "vllm ngram": "ngram", "vllm draft_model": "draft_model"}[row]
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
-        json.dump(prompt, file)
+        json.dump([prompt], file)  # vllm_integration.py's children read a batch's prompts: a batch of one
     command = [str(VLLM_PYTHON), str(ROOT / "benchmarks" / "vllm_integration.py"), "--child", f"decode: {kind}",
                "--prompt-file", file.name, "--prefix-tokens", str(len(prompt)), "--new-tokens", str(new_tokens),
                "--num-speculative-tokens", "4"]
@@ -186,6 +186,7 @@ def vllm_row(prompt: list[int], row: str, new_tokens: int) -> dict[str, Any]:
         raise RuntimeError(f"{row} failed:\n{done.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(lines[-1])
     result["ttft_s"] = result.get("request_ttft_s", result["ttft_s"])
+    result["tokens"] = result["tokens"][0]  # the batch's one request
     return result
 
 
