@@ -113,9 +113,7 @@ class Decoder:
         if not self._restored:
             self._restored = True
             self.calibrations.restore(costs)
-        kept = sum(len(rows) for rows in costs.calibration.values())
-        calibrate(costs, {"same": self.target, weights: self.weight_sets[weights]}, full, draft, token_id)
-        if sum(len(rows) for rows in costs.calibration.values()) > kept:
+        if calibrate(costs, {"same": self.target, weights: self.weight_sets[weights]}, full, draft, token_id):
             self.calibrations.save(costs)
 
     def _calibrate_batch(self, running: list[Sequence]) -> None:

@@ -23,6 +23,7 @@ runs none of these forwards (at 8K, batch 8: about a second of a 64-token run's 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -53,14 +54,16 @@ DRAFT_STEPS = 3
 
 def calibrate(
     costs: ForwardCostModel, models: dict[str, torch.nn.Module], full: KVCache, draft: KVCache, token_id: int
-) -> None:
+) -> bool:
     """Fit `costs` for each weight set in `models` ("same" for the served weights) whose calibration does not
-    cover these caches' lengths yet (`ForwardCostModel.calibration_covers`)."""
+    cover these caches' lengths yet (`ForwardCostModel.calibration_covers`); returns whether any ran."""
     served = draft if isinstance(full.layers[0], TieredKVLayer) else full
+    calibrated = False
     for weights, model in models.items():
         cache = served if weights == "same" else draft
         if costs.calibration_covers(weights, cache.layers[0].lengths[0]):  # type: ignore[attr-defined]
             continue
+        calibrated = True
         if weights == "same":
             runs = [(served, tokens) for tokens in SERVED_TOKENS] + [(draft, 1)] * DRAFT_STEPS
         else:
@@ -70,6 +73,7 @@ def calibrate(
             # would hold the planner to a wrong cost until enough forwards of that shape outweigh it.
             (seconds, shape), (again, _) = (_timed_forward(model, cache, token_id, num_tokens) for _ in range(2))
             costs.observe_tick([(weights, [shape], min(seconds, again))], calibration=True)
+    return calibrated
 
 
 def calibrate_batch(costs: ForwardCostModel, models: dict[str, torch.nn.Module], pairs: list[tuple[KVCache, KVCache]],
@@ -164,6 +168,7 @@ class CalibrationStore:
             logger.warning("could not keep the calibration in %s (%s); later runs calibrate again", self.path, error)
 
 
+@functools.cache
 def machine_name(device: torch.device) -> str:
     """The processor (CPU model name) or accelerator a calibration ran on."""
     if device.type == "cuda":
