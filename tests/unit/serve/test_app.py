@@ -100,7 +100,7 @@ def test_chat_needs_a_chat_template(client: TestClient) -> None:
 
 def test_metrics_parse_with_prometheus_clients_parser(client: TestClient) -> None:
     lossless = {"mode": "lossless", "draft_length": 2}
-    client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "kvlab": lossless})
+    client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "kvlab": lossless})
     reply = client.get("/metrics")
     samples = {s.name: s.value for family in text_string_to_metric_families(reply.text) for s in family.samples}
     assert samples["kvlab:generation_tokens_total"] >= 3
@@ -218,13 +218,16 @@ def test_rounds_that_draft_nothing_are_not_counted_as_drafts(client: TestClient)
 
     before = drafts()
     # The prefill gives the first token; the one left is a round with nothing to draft (vLLM counts none).
-    reply = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "kvlab": {"mode": "lossless"}})
+    # Greedy: the default temperature (1) samples, and a sampled end-of-sequence token would end it at one.
+    reply = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+                                                 "kvlab": {"mode": "lossless"}})
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
     assert drafts() == before
 
 
 def test_metrics_report_the_planners_cost_model_fit(client: TestClient) -> None:
-    reply = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "kvlab": {"mode": "lossless"}})
+    reply = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+                                                 "kvlab": {"mode": "lossless", "ignore_eos": True}})
     assert reply.status_code == 200
     text = client.get("/metrics").text
     samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
