@@ -24,6 +24,7 @@ from kvlab.lossless.drafter import Drafter, Offer, Proposal
 from kvlab.lossless.planner import Acceptance, RoundPlanner
 from kvlab.lossless.round import LosslessState
 from tests.helpers import tiny_llama
+from tests.unit.lossless.scripted import ScriptedCosts
 from tests.unit.lossless.test_lossless import DRAFTERS, _prompts
 from tests.unit.lossless.test_prompt_lookup import repetitive_prompt
 
@@ -79,31 +80,6 @@ def test_expected_tokens_follow_acceptance_per_position() -> None:
     for _ in range(60):
         never.age()
     assert never.expected_tokens(2, optimism=1.0)[2] > before + 0.2
-
-
-@dataclasses.dataclass(slots=True)
-class ScriptedCosts(ForwardCostModel):
-    """Costs that ignore measurements: draft forwards cost `draft_s` per segment share (after `dear_calls`
-    calls, `cheap_draft_s`), a full-cache step `step_s` plus `verify_token_s` per extra token."""
-
-    draft_s: float = 0.05
-    cheap_draft_s: float = 0.05
-    dear_calls: int = 0
-    step_s: float = 0.05
-    verify_token_s: float = 0.001
-    calls: int = 0
-
-    def ready(self, weights: str) -> bool:
-        return True
-
-    def share_s(self, weights: str, segment: SegmentShape, num_sharing: float) -> float:
-        self.calls += 1
-        if segment.num_cached < 0:
-            raise AssertionError
-        return self.step_s + self.verify_token_s * (segment.num_tokens - 1)
-
-    def observe_tick(self, forwards: list[tuple[str, list[SegmentShape], float]], calibration: bool = False) -> None:
-        return None
 
 
 @dataclasses.dataclass(slots=True)
