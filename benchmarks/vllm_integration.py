@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -53,26 +54,38 @@ GET_REDIS_SERVER = "run scripts/ensure-redis-server (or apt-get install redis-se
 
 
 def engine(args: argparse.Namespace, **options: Any) -> Any:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    from vllm import LLM
-
     from kvlab.integrations.vllm.model import model_directory
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib(model_directory(), args)))
+    from vllm import LLM
 
     options.setdefault("enable_prefix_caching", False)
     return LLM(model=model_directory(), dtype="float32", max_model_len=args.prefix_tokens + args.new_tokens + 64,
                enforce_eager=not args.compile, max_num_seqs=args.batch, seed=0, disable_log_stats=False, **options)
 
 
+def kv_cache_gib(model_dir: str, args: argparse.Namespace) -> int:
+    """GiB of vLLM's CPU KV cache for a whole batch at once (2 at least): a cache that holds fewer rows makes
+    vLLM preempt or hold back requests, and a batch row would then time fewer rows than it names."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    bytes_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4  # float32
+    need = args.batch * (args.prefix_tokens + args.new_tokens + 64) * bytes_per_token * 1.25
+    return max(2, math.ceil(need / 2**30))
+
+
 def run(llm: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
     """Greedy tokens of one request and its wall time."""
-    tokens, total_s, _ = run_batch(llm, [prompt], max_tokens)
+    tokens, total_s, _, _ = run_batch(llm, [prompt], max_tokens)
     return tokens[0], total_s
 
 
-def run_batch(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, float | None]:
-    """Greedy tokens of requests sent at once, their wall time, and their decode span: from the first
-    first token to the last token, as vLLM's engine stamped them (None without request metrics)."""
+def run_batch(llm: Any, prompts: list[list[int]],
+              max_tokens: int) -> tuple[list[list[int]], float, float | None, float]:
+    """Greedy tokens of requests sent at once, their wall time, their decode span (from the first first
+    token to the last token, as vLLM's engine stamped them; None without request metrics) and the spread
+    of their first tokens."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -84,7 +97,13 @@ def run_batch(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list
               for o in outputs if getattr(o, "metrics", None) is not None]
     first, last = min((f for f, _ in stamps), default=0.0), max((t for _, t in stamps), default=0.0)
     decode_s = last - first if len(stamps) == len(outputs) and first and last > first else None
-    return [list(o.outputs[0].token_ids) for o in outputs], total_s, decode_s
+    return [list(o.outputs[0].token_ids) for o in outputs], total_s, decode_s, first_token_spread_s(stamps)
+
+
+def first_token_spread_s(stamps: list[tuple[float, float]]) -> float:
+    """Seconds between the batch's first and last first tokens (0: every row decoded from the start)."""
+    firsts = [first for first, _ in stamps if first]
+    return max(firsts) - min(firsts) if firsts else 0.0
 
 
 def warm_up(llm: Any) -> None:
@@ -137,7 +156,10 @@ def decode_child(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str
     prompt = prompts[0]
     kind = args.child.removeprefix("decode: ")
     k = args.num_speculative_tokens
-    options: dict[str, Any] = {}
+    # The whole batch prefills in one step, so the decode span times the batch decoding together. With
+    # vLLM's CPU default (4096 tokens a step) the prompts prefilled in chunks between the first requests'
+    # decode steps: at batch 8 the span was mostly the other prompts' prefill.
+    options: dict[str, Any] = {"max_num_batched_tokens": max(4096, sum(len(p) for p in prompts) + 64)}
     if kind == "ngram":
         options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
                                          "prompt_lookup_min": 2}
@@ -169,7 +191,7 @@ def decode_child(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str
         proposer.stats = type(proposer.stats)()
         proposer.by_prefix.clear()
         proposer.by_request.clear()
-    tokens, total_s, decode_s = run_batch(llm, prompts, args.new_tokens)
+    tokens, total_s, decode_s, spread_s = run_batch(llm, prompts, args.new_tokens)
     after = _counters(llm)
     if decode_s is None:
         raise RuntimeError("vLLM kept no first/last token times for the request (run with disable_log_stats=False)")
@@ -177,7 +199,8 @@ def decode_child(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str
     # TTFT taken in another request (a faster second prefill would shrink the decode time).
     result: dict[str, Any] = {"ttft_s": ttft_s, "tokens": tokens, "decode_s": decode_s,
                               "request_ttft_s": total_s - decode_s,
-                              "decode_tokens_per_s": sum(len(t) - 1 for t in tokens) / decode_s}
+                              "decode_tokens_per_s": sum(len(t) - 1 for t in tokens) / decode_s,
+                              "first_token_spread_s": spread_s}
     drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
     drafted = after.get("num_draft_tokens", 0) - before.get("num_draft_tokens", 0)
     accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
@@ -186,6 +209,8 @@ def decode_child(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str
     if proposer is not None:
         fit = proposer.costs.forwards.fit
         result["proposer"] = {**dataclasses.asdict(proposer.stats), "request_wall_s": total_s,
+                              "lookup_acceptance": {str(ngram): round(acceptance.pooled()[0], 3) for ngram, acceptance
+                                                    in sorted(proposer.lookup_acceptance.by_ngram.items())},
                               "cost_model": {"coefficients": proposer.costs.forwards.coefficients(),
                                              "mean_relative_error": fit.mean_relative_error,
                                              "num_ticks": fit.num_ticks}}
