@@ -287,7 +287,8 @@ def fitted_costs(weights: str, draft_forward_s: float) -> StepCosts:
     return costs
 
 
-def test_a_lookup_round_drafts_no_forward_and_the_cache_catches_up_from_the_pages(tiny: LoadedModel) -> None:
+def test_a_lookup_round_drafts_no_forward_and_the_row_is_adopted_when_its_cache_first_drafts(
+        tiny: LoadedModel) -> None:
     from kvlab.lossless.prompt_lookup import PromptLookup, find_continuation
 
     proposer = proposer_for(tiny, "snapkv", draft_length="auto", compression_ratio=0.0)
@@ -299,6 +300,7 @@ def test_a_lookup_round_drafts_no_forward_and_the_cache_catches_up_from_the_page
     assert drafts[0] == find_continuation(history, NUM_SPECULATIVE_TOKENS, PromptLookup()) != []
     assert proposer.stats.num_draft_forwards == 0 and proposer.stats.num_lookup_rounds == 1
     assert proposer.stats.num_lookup_draft_tokens == len(drafts[0]) and proposer.stats.num_draft_tokens == 0
+    assert proposer.stats.num_adopted == 0, "a row served by its lookup paid for a window and a compression"
     # The lookup's round emitted 1 token; the cache is expected to emit about 3.4 in a round of 4 drafts at
     # 10 ms each beside a 100 ms step: the cache drafts next.
     proposer.costs = fitted_costs(proposer.draft_weights, draft_forward_s=0.01)
@@ -307,6 +309,7 @@ def test_a_lookup_round_drafts_no_forward_and_the_cache_catches_up_from_the_page
     drafts = propose(proposer, [grown], pages.step([pages.write("a", grown[:-1])]))
     assert drafts[0] == greedy_continuation(tiny, grown, NUM_SPECULATIVE_TOKENS)
     assert proposer.stats.num_draft_forwards == NUM_SPECULATIVE_TOKENS and proposer.stats.fallbacks == {}
+    assert (proposer.stats.num_adopted, proposer.stats.num_prefills) == (1, 0)  # from the pages, on its first round
 
 
 def test_vllm_steps_are_timed_only_where_they_decoded_the_last_calls_sequences_and_nothing_else(

@@ -5,16 +5,21 @@ from __future__ import annotations
 import pytest
 
 from kvlab.integrations.vllm.sources import (
+    BOOTSTRAP_CACHE_ROWS,
     CACHE,
     LOOKUP,
+    LookupAcceptance,
     RowPlan,
     RowRecord,
     StepCosts,
+    StepRows,
     bootstrap_plans,
     fixed_plans,
     plan_rows,
 )
 from kvlab.lossless.cost_model import SegmentShape
+from kvlab.lossless.planner import Acceptance
+from kvlab.lossless.prompt_lookup import LookupMatch
 
 
 def fitted(step_s: float, draft_forward_s: float, verify_token_s: float = 0.0, num_rows: int = 1) -> StepCosts:
@@ -28,17 +33,26 @@ def fitted(step_s: float, draft_forward_s: float, verify_token_s: float = 0.0, n
     return costs
 
 
-def record(source: str, num_drafted: int, num_emitted: int, rounds: int) -> RowRecord:
+def record(num_drafted: int, num_emitted: int, rounds: int, acceptance: Acceptance | None = None) -> RowRecord:
+    """A row whose last `rounds` rounds of `num_drafted` drafts emitted `num_emitted` tokens each, counted in
+    `acceptance` (default: its cache's)."""
     row = RowRecord()
     for _ in range(rounds):
-        row.pending = (source, num_drafted)
+        row.pending = (acceptance or row.cache, num_drafted)
         row.record(num_emitted)
     return row
 
 
+def step(records: list[RowRecord], lookups: list[list[int]], num_cached: int = 100, ngram: int = 3) -> StepRows:
+    """A step of `records` with these lookup proposals (each an `ngram`-gram match), caches and contexts of
+    `num_cached` tokens."""
+    matches = [LookupMatch(tokens, ngram if tokens else 0) for tokens in lookups]
+    return StepRows(records, matches, [num_cached] * len(records), [num_cached] * len(records))
+
+
 def test_before_the_costs_are_fitted_rows_propose_every_length_from_both_sources_in_turn() -> None:
     costs = StepCosts("int8")
-    steps = [plan_rows([RowRecord(), RowRecord()], [[5, 6, 7, 8], []], [100, 100], [100, 100], 4, costs)
+    steps = [plan_rows(step([RowRecord(), RowRecord()], [[5, 6, 7, 8], []]), 4, costs, LookupAcceptance())
              for _ in range(10)]
     for row in range(2):
         plans = [step[row] for step in steps]
@@ -51,50 +65,74 @@ def test_before_the_costs_are_fitted_rows_propose_every_length_from_both_sources
     assert {plan.source for plan in fitted_drafts} == {LOOKUP, None}  # the cache's turns end once it is fitted
 
 
+def test_the_bootstrap_fits_the_cache_on_its_first_rows_only() -> None:
+    """Rows past the first BOOTSTRAP_CACHE_ROWS propose from their lookup or nothing, so the proposer adopts
+    (window, compression) only the rows whose plans choose the cache."""
+    lookups = [[5, 6, 7, 8], [], [5, 6, 7, 8], []]
+    steps = [bootstrap_plans(lookups, 4, step, drafts_fitted=False) for step in range(10)]
+    sources = [{plan.source for plan in (step[row] for step in steps)} for row in range(4)]
+    assert BOOTSTRAP_CACHE_ROWS == 2
+    assert sources == [{LOOKUP, CACHE, None}, {CACHE, None}, {LOOKUP, None}, {None}], sources
+
+
 def test_a_fixed_length_takes_the_lookup_where_it_has_one_else_the_cache() -> None:
     assert fixed_plans([[5, 6, 7], []], 4) == [RowPlan(LOOKUP, 3), RowPlan(CACHE, 4)]
 
 
 def test_a_row_whose_cache_drafts_are_never_accepted_proposes_nothing() -> None:
-    rejected = record(CACHE, 4, 1, rounds=30)
-    plans = plan_rows([rejected], [[]], [100], [100], 4, fitted(0.1, 0.05))
+    rejected = record(4, 1, rounds=30)
+    plans = plan_rows(step([rejected], [[]]), 4, fitted(0.1, 0.05), LookupAcceptance())
     assert plans == [RowPlan(None, 0)]
 
 
 def test_a_row_whose_drafts_are_accepted_drafts_long_from_the_cache() -> None:
-    accepted = record(CACHE, 4, 5, rounds=30)
-    plans = plan_rows([accepted], [[]], [100], [100], 4, fitted(0.1, 0.01))
+    accepted = record(4, 5, rounds=30)
+    plans = plan_rows(step([accepted], [[]]), 4, fitted(0.1, 0.01), LookupAcceptance())
     assert plans == [RowPlan(CACHE, 4)]
 
 
 def test_rows_drafting_together_split_the_draft_forward() -> None:
     """A draft forward of 120 ms is too dear for one row of a 100 ms step whose first draft is accepted and the
     second not (2 tokens in 220 ms against 1 in 100), not when eight rows draft together (15 ms each)."""
-    half = record(CACHE, 2, 2, rounds=30)  # the first of two drafts accepted, the second not
-    alone = plan_rows([half], [[]], [100], [100], 2, fitted(0.1, 0.12))
-    rows = [record(CACHE, 2, 2, rounds=30) for _ in range(8)]
-    together = plan_rows(rows, [[]] * 8, [100] * 8, [100] * 8, 2, fitted(0.8, 0.12, num_rows=8))
+    half = record(2, 2, rounds=30)  # the first of two drafts accepted, the second not
+    alone = plan_rows(step([half], [[]]), 2, fitted(0.1, 0.12), LookupAcceptance())
+    rows = [record(2, 2, rounds=30) for _ in range(8)]
+    together = plan_rows(step(rows, [[]] * 8), 2, fitted(0.8, 0.12, num_rows=8), LookupAcceptance())
     assert alone == [RowPlan(None, 0)] and all(plan.source == CACHE for plan in together), (alone, together)
 
 
 def test_a_free_lookup_is_taken_over_nothing_and_a_round_credits_its_source() -> None:
-    plans = plan_rows([RowRecord()], [[1, 2]], [100], [100], 4, fitted(0.1, 1.0))
+    lookups = LookupAcceptance()
+    plans = plan_rows(step([RowRecord()], [[1, 2]]), 4, fitted(0.1, 1.0), lookups)
     assert plans == [RowPlan(LOOKUP, 2)]
-    row = RowRecord(pending=(LOOKUP, 3))
+    row = RowRecord(pending=(lookups.of(3), 3))
     row.record(3)  # two of three accepted
-    assert row.acceptance[LOOKUP].accepted[:2] == [1.0, 1.0] and row.acceptance[LOOKUP].reached == [1.0, 1.0, 1.0]
-    assert row.pending is None and row.acceptance[CACHE].reached == []
+    assert lookups.of(3).accepted[:2] == [1.0, 1.0] and lookups.of(3).reached == [1.0, 1.0, 1.0]
+    assert row.pending is None and row.cache.reached == [] and lookups.of(1).reached == []
+
+
+def test_a_lookup_is_judged_by_what_matches_of_its_length_were_accepted() -> None:
+    """1-gram matches that are never accepted do not keep a 3-gram match, accepted every time, from being
+    proposed; and the 1-gram match itself is not proposed where its verify costs more than it is worth."""
+    lookups = LookupAcceptance()
+    for _ in range(40):
+        lookups.of(1).update(2, 0)
+        lookups.of(3).update(2, 2)
+    costs = fitted(0.1, 1.0, verify_token_s=0.03)
+    weak, strong = (plan_rows(step([RowRecord()], [[7, 8]], ngram=n), 2, costs, lookups)[0] for n in (1, 3))
+    assert (weak, strong) == (RowPlan(None, 0), RowPlan(LOOKUP, 2)), (weak, strong)
 
 
 def test_a_lookup_whose_verify_costs_more_than_its_tokens_are_worth_is_not_proposed() -> None:
     """Lookup drafts cost no forward, but vLLM verifies them: at 60 ms a proposed token on a 100 ms step, a lookup
     whose first draft is accepted one time in five (1.2 tokens for 160 ms) loses to a plain step; at 5 ms it pays."""
-    poor = record(LOOKUP, 1, 1, rounds=40)
+    lookups = LookupAcceptance()
+    poor = record(1, 1, rounds=40, acceptance=lookups.of(3))
     for _ in range(10):
-        poor.pending = (LOOKUP, 1)
+        poor.pending = (lookups.of(3), 1)
         poor.record(2)
-    dear = plan_rows([poor], [[7, 8]], [100], [100], 2, fitted(0.1, 1.0, verify_token_s=0.06))
-    cheap = plan_rows([poor], [[7, 8]], [100], [100], 2, fitted(0.1, 1.0, verify_token_s=0.005))
+    dear = plan_rows(step([poor], [[7, 8]]), 2, fitted(0.1, 1.0, verify_token_s=0.06), lookups)
+    cheap = plan_rows(step([poor], [[7, 8]]), 2, fitted(0.1, 1.0, verify_token_s=0.005), lookups)
     assert dear == [RowPlan(None, 0)] and cheap[0].source == LOOKUP, (dear, cheap)
 
 

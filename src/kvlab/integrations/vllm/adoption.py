@@ -19,6 +19,7 @@ import torch
 from kvlab.cache import ForwardStep, KVCache, run_step
 from kvlab.compress import Compressor
 from kvlab.errors import ConfigError
+from kvlab.generation.config import GenerationConfig
 from kvlab.integrations.vllm.handover import LayerKV, StepHandover
 from kvlab.integrations.vllm.sources import RowRecord
 from kvlab.models import LoadedModel
@@ -40,6 +41,8 @@ FLOAT32_TOLERANCE = 1e-4
 # The same for a token whose KV cheaper draft weights computed (int8, int4 or bf16 linear layers): only a
 # check that the pages hold that token at that position (another token or position differs by ~1).
 DRAFT_WEIGHTS_TOLERANCE = 0.1
+# vLLM verifies greedy drafts: the drafter draws the argmax (the length limit is vLLM's, not this one's).
+GREEDY = GenerationConfig(max_new_tokens=1 << 30, temperature=0.0)
 # A fallback of one kind is logged the first time and then every this many times.
 _LOG_EVERY = 100
 
@@ -53,16 +56,19 @@ class DraftSequence:
     """A sequence's compressed draft cache and the token ids it has consumed (`[n]` int64).
 
     Attributes:
+        cache: None while a handed-over request is not adopted (no plan has drafted from its cache yet).
         last_kv: ([1, H_kv, 1, D] keys, values) of the first layer for the last consumed token, as the
             drafter computed it; vLLM's pages hold the same token's KV after the next step, which checks
             that they are this sequence's (token and position). Deeper layers' KV of that token differs:
             the drafter attended over its compressed cache.
+        req_id: vLLM's request, where the hand-over named it.
     """
 
-    cache: KVCache
+    cache: KVCache | None
     token_ids: np.ndarray
     last_kv: tuple[torch.Tensor, torch.Tensor] | None = None
     sources: RowRecord = dataclasses.field(default_factory=RowRecord)
+    req_id: str | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -103,6 +109,11 @@ class ProposerStats:
         count = self.fallbacks[kind] = self.fallbacks.get(kind, 0) + 1
         if count == 1 or count % _LOG_EVERY == 0:
             logger.warning("KVLabDraftProposer falls back to its own prefill (%s, %d so far): %s", kind, count, detail)
+
+
+def cached_tokens(cache: KVCache) -> int:
+    """Tokens a draft cache holds (a compressed one's kept)."""
+    return int(cache.layers[0].lengths[0])  # type: ignore[attr-defined]
 
 
 def observation_window(compressor: Compressor) -> int:
@@ -169,6 +180,7 @@ class SequenceBuilder:
         """Append the KV of `history[:-1]`'s tokens the cache lacks from the pages (False: the sequence
         is not a prefix of `history`, the cache cannot serve it). Raises HandoverMismatch where the
         pages' KV of the sequence's last token is not what the drafter computed for it."""
+        assert sequence.cache is not None, "only an adopted sequence is extended"
         have, need = sequence.cache.seq_lengths[0], len(history) - 1
         if have > need or len(sequence.token_ids) != have or not np.array_equal(history[:have], sequence.token_ids):
             return False
@@ -222,3 +234,34 @@ class SequenceBuilder:
                 continue
             return cache, captured
         raise AssertionError("unreachable: a full cache refuses no prompt")
+
+
+@dataclasses.dataclass(slots=True)
+class DraftRow:
+    """A vLLM row as kvlab's drafters see a lossless sequence (`RoundHost` and `RoundState`): its history,
+    its draft cache, and the logits that predict its first draft once the cache holds the history.
+
+    Attributes:
+        history: [n] int64 token ids of the row (the tokens vLLM accepted included).
+        draft: The row's compressed draft cache.
+        draft_logits: [1, V] logits predicting the first draft (set after the catch-up forward).
+    """
+
+    history: np.ndarray
+    draft: KVCache
+    draft_logits: torch.Tensor | None = None
+    pending: list[int] = dataclasses.field(default_factory=list)  # nothing past the history: vLLM verifies
+    draft_missing: int = 0
+    full: None = None  # vLLM holds the full KV
+    in_transit: bool = False
+    config: GenerationConfig = GREEDY
+    generator: torch.Generator | None = None
+
+    def context_ids(self) -> list[int]:
+        return [int(token) for token in self.history]
+
+    def remaining(self) -> int:
+        return GREEDY.max_new_tokens  # vLLM stops the request; the proposer only drafts
+
+    def emit(self, token_ids: list[int]) -> bool:
+        raise NotImplementedError("vLLM emits a row's tokens; kvlab's drafters only propose")

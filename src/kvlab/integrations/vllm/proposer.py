@@ -38,28 +38,39 @@ proposer nothing but its config. Prompts' windows and prefills always run with t
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 from typing import Any
 
 import numpy as np
-import torch
 
-from kvlab.cache import KVCache
 from kvlab.compress import Compressor, compressors
 from kvlab.engine import Feed, PackedBatch, pack, run_batch, run_to_end
 from kvlab.errors import ConfigError
-from kvlab.generation.config import GenerationConfig
-from kvlab.integrations.vllm.adoption import DraftSequence, HandoverMismatch, ProposerStats, SequenceBuilder
+from kvlab.integrations.vllm.adoption import (
+    DraftRow,
+    DraftSequence,
+    HandoverMismatch,
+    ProposerStats,
+    SequenceBuilder,
+    cached_tokens,
+)
 from kvlab.integrations.vllm.handover import BOARD, LayerKV, StepHandover, engine_key
 from kvlab.integrations.vllm.model import served_model, transformers_model
-from kvlab.integrations.vllm.sources import CACHE, LOOKUP, StepCosts, fixed_plans, plan_rows
+from kvlab.integrations.vllm.sources import (
+    CACHE,
+    LOOKUP,
+    LookupAcceptance,
+    StepCosts,
+    StepRows,
+    fixed_plans,
+    plan_rows,
+)
 from kvlab.lossless.compressed_cache import CompressedCacheDrafter
 from kvlab.lossless.cost_model import SegmentShape
 from kvlab.lossless.drafter import Offer
-from kvlab.lossless.prompt_lookup import PromptLookup, split_drafter_name
+from kvlab.lossless.prompt_lookup import LookupMatch, PromptLookup, find_match, split_drafter_name
 from kvlab.models import LoadedModel
 from kvlab.models.draft_weights import DRAFT_WEIGHTS, DraftWeights, draft_model
 from kvlab.timing import Stopwatch
@@ -78,8 +89,6 @@ DEFAULT_DRAFTER: dict[str, Any] = {"name": "snapkv"}
 # Sequences kept without being seen in a step when they are found by token prefix (no request ids):
 # a preempted request that comes back finds its cache.
 _MAX_IDLE_SEQUENCES = 8
-# vLLM verifies greedy drafts: the drafter draws the argmax (the length limit is vLLM's, not this one's).
-GREEDY = GenerationConfig(max_new_tokens=1 << 30, temperature=0.0)
 
 
 def drafter_from_environment() -> tuple[Compressor, PromptLookup | None]:
@@ -141,10 +150,13 @@ class KVLabDraftProposer:
         self.untrusted: set[str] = set()
         self.stats = ProposerStats()
         self.costs = StepCosts(self.draft_weights)
+        self.lookup_acceptance = LookupAcceptance()
         self._since_propose: Stopwatch | None = None
         # vLLM's next step, as the last call proposed it: its sequences and their segments (proposal + 1 tokens).
         self._proposed: tuple[list[DraftSequence], list[SegmentShape]] = ([], [])
         self._said_no_handover = False
+        # Tokens the last adopted draft cache kept: what a row not adopted yet would draft over.
+        self.kept_tokens: int | None = None
 
     def load_model(self, target_model: Any = None) -> None:
         """Load the served checkpoint for kvlab's attention (vLLM's module cannot use a kvlab cache)."""
@@ -198,7 +210,7 @@ class KVLabDraftProposer:
             # sampled token) are not what a round costs.
             self.costs.observe_step(last_shapes, since_last_s)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        for row, drafted in zip(rows, self._draft(sequences, histories), strict=True):
+        for row, drafted in zip(rows, self._draft(sequences, histories, rows, handover), strict=True):
             drafts[row] = drafted
         self._proposed = (sequences, [SegmentShape(len(drafts[row]) + 1, len(history) - 1)
                                       for row, history in zip(rows, histories, strict=True)])
@@ -235,12 +247,30 @@ class KVLabDraftProposer:
         sequence = self.by_request.get(req_id)
         builder = self.builder
         try:
-            if sequence is None or not builder.extend(sequence, history, handover, row):
+            if sequence is None:  # adopted when a plan first drafts from its cache (`_adopt`)
+                sequence = DraftSequence(None, history[:0].copy(), req_id=req_id)
+            elif sequence.cache is not None and not builder.extend(sequence, history, handover, row):
                 sequence = builder.adopt(history, handover, row) or builder.prefill(history)
+                sequence.req_id = req_id
         except HandoverMismatch as error:
             self._distrust(req_id, "hand-over KV", str(error))
             return self._by_token_prefix(history)
         self.by_request[req_id] = sequence
+        return sequence
+
+    def _adopt(self, sequence: DraftSequence, history: np.ndarray, handover: StepHandover,
+               row: int) -> DraftSequence:
+        """`sequence` with its draft cache of `history[:-1]` from row `row`'s pages (or its own prefill); where
+        the pages fail the check, a sequence prefilled from token ids (the request is served from them on)."""
+        assert sequence.req_id is not None
+        try:
+            built = self.builder.adopt(history, handover, row) or self.builder.prefill(history)
+        except HandoverMismatch as error:
+            self._distrust(sequence.req_id, "hand-over KV", str(error))
+            return self._by_token_prefix(history)
+        assert built.cache is not None
+        sequence.cache, sequence.token_ids = built.cache, built.token_ids
+        self.kept_tokens = cached_tokens(built.cache)
         return sequence
 
     def _handed_request(self, row: int, history: np.ndarray, handover: StepHandover | None) -> str | None:
@@ -278,33 +308,44 @@ class KVLabDraftProposer:
             self.by_prefix.append(best)
         return best
 
-    def _draft(self, sequences: list[DraftSequence], histories: list[np.ndarray]) -> list[list[int]]:
+    def _draft(self, sequences: list[DraftSequence], histories: list[np.ndarray], batch_rows: list[int],
+               handover: StepHandover | None) -> list[list[int]]:
         """Each row's drafts, as kvlab's planner chose them for the whole step (`sources.plan_rows`), from
-        kvlab's drafters (prompt lookup's offer; the compressed cache's rounds, packed across rows)."""
+        kvlab's drafters (prompt lookup's offer; the compressed cache's rounds, packed across rows). A row
+        not adopted yet is priced at the length the last adoption kept, and adopted once its plan drafts
+        from the cache: a row that prompt lookup serves never pays for its window and compression."""
         k = self.num_speculative_tokens
-        rows = [DraftRow(history, sequence.cache) for sequence, history in zip(sequences, histories, strict=True)]
-        offers = [self.lookup.offer(row, row, k) if self.lookup is not None else None for row in rows]
-        lookups = [offer.token_ids or [] if offer is not None else [] for offer in offers]
-        cached = [int(sequence.cache.layers[0].lengths[0]) for sequence in sequences]  # type: ignore[attr-defined]
+        lookups = [find_match(history.tolist(), k, self.lookup) if self.lookup is not None else LookupMatch([], 0)
+                   for history in histories]
         contexts = [len(history) - 1 for history in histories]
+        cached = [cached_tokens(sequence.cache) if sequence.cache is not None else min(self.kept_tokens or context,
+                                                                                       context)
+                  for sequence, context in zip(sequences, contexts, strict=True)]
         if self.draft_length == "auto":
-            plans = plan_rows([sequence.sources for sequence in sequences], lookups, cached, contexts, k, self.costs)
+            step = StepRows([sequence.sources for sequence in sequences], lookups, cached, contexts)
+            plans = plan_rows(step, k, self.costs, self.lookup_acceptance)
         else:
-            plans = fixed_plans(lookups, k)
+            plans = fixed_plans([match.token_ids for match in lookups], k)
+        for index, plan in enumerate(plans):
+            if plan.source == CACHE and sequences[index].cache is None:
+                assert handover is not None, "only a handed-over row waits for its adoption"
+                sequences[index] = self._adopt(sequences[index], histories[index], handover, batch_rows[index])
         drafts: list[list[int]] = [[] for _ in sequences]
-        for index, (plan, lookup) in enumerate(zip(plans, lookups, strict=True)):
+        for index, (plan, match) in enumerate(zip(plans, lookups, strict=True)):
             if plan.source == LOOKUP:
-                drafts[index] = lookup[: plan.num_draft_tokens]
+                drafts[index] = match.token_ids[: plan.num_draft_tokens]
                 self.stats.num_lookup_rounds += 1
                 self.stats.num_lookup_draft_tokens += len(drafts[index])
         cache_rows = [index for index, plan in enumerate(plans) if plan.source == CACHE]
         self.stats.num_cache_rounds += len(cache_rows)
-        from_cache = self._draft_from_caches([sequences[i] for i in cache_rows], [rows[i] for i in cache_rows],
+        rows = [DraftRow(histories[i], cache) for i in cache_rows if (cache := sequences[i].cache) is not None]
+        from_cache = self._draft_from_caches([sequences[i] for i in cache_rows], rows,
                                              [plans[i].num_draft_tokens for i in cache_rows])
         for index, drafted in zip(cache_rows, from_cache, strict=True):
             drafts[index] = drafted
-        for sequence, plan, drafted in zip(sequences, plans, drafts, strict=True):
-            sequence.sources.pending = (plan.source, len(drafted)) if plan.source is not None and drafted else None
+        for sequence, plan, drafted, match in zip(sequences, plans, drafts, lookups, strict=True):
+            record = self.lookup_acceptance.of(match.ngram) if plan.source == LOOKUP else sequence.sources.cache
+            sequence.sources.pending = (record, len(drafted)) if plan.source is not None and drafted else None
         self.stats.num_plain_rows += sum(plan.source is None for plan in plans)
         return drafts
 
@@ -352,34 +393,3 @@ class KVLabDraftProposer:
         """A packed draft forward: kvlab's cost model of them sees it."""
         self.costs.observe_draft(batch.shapes, seconds)
         self.stats.num_draft_forwards += 1
-
-
-@dataclasses.dataclass(slots=True)
-class DraftRow:
-    """A vLLM row as kvlab's drafters see a lossless sequence (`RoundHost` and `RoundState`): its history,
-    its draft cache, and the logits that predict its first draft once the cache holds the history.
-
-    Attributes:
-        history: [n] int64 token ids of the row (the tokens vLLM accepted included).
-        draft: The row's compressed draft cache.
-        draft_logits: [1, V] logits predicting the first draft (set after the catch-up forward).
-    """
-
-    history: np.ndarray
-    draft: KVCache
-    draft_logits: torch.Tensor | None = None
-    pending: list[int] = dataclasses.field(default_factory=list)  # nothing past the history: vLLM verifies
-    draft_missing: int = 0
-    full: None = None  # vLLM holds the full KV
-    in_transit: bool = False
-    config: GenerationConfig = GREEDY
-    generator: torch.Generator | None = None
-
-    def context_ids(self) -> list[int]:
-        return [int(token) for token in self.history]
-
-    def remaining(self) -> int:
-        return GREEDY.max_new_tokens  # vLLM stops the request; the proposer only drafts
-
-    def emit(self, token_ids: list[int]) -> bool:
-        raise NotImplementedError("vLLM emits a row's tokens; kvlab's drafters only propose")

@@ -1,7 +1,8 @@
 """Which source drafts each row of a vLLM step, and how many tokens: kvlab's planner, adapted to vLLM.
 
-Each row keeps kvlab's `Acceptance` per drafter (prompt lookup, the compressed cache), updated from the
-tokens vLLM accepted of its last proposal. A step's choice is made for all rows together with the shared
+Each row keeps kvlab's `Acceptance` of its compressed cache's drafts; prompt lookup's acceptance is kept per
+length of the n-gram a proposal matched, shared by the rows (`LookupAcceptance`); both are updated from the
+tokens vLLM accepted of a row's last proposal. A step's choice is made for all rows together with the shared
 `choose_length` (`kvlab.lossless.lengths`), from one fitted `ForwardCostModel` of both forwards a round
 runs (`StepCosts`):
 - vLLM's step, which verifies every row in one forward: each row is a segment of its proposal and the
@@ -21,7 +22,7 @@ from kvlab.lossless.compressed_cache import CompressedCacheDrafter
 from kvlab.lossless.cost_model import ForwardCostModel, SegmentShape
 from kvlab.lossless.lengths import choose_length
 from kvlab.lossless.planner import Acceptance
-from kvlab.lossless.prompt_lookup import PromptLookup
+from kvlab.lossless.prompt_lookup import LookupMatch, PromptLookup
 
 LOOKUP, CACHE = "prompt_lookup", "compressed_cache"
 # The cost model's name for vLLM's step (the draft forwards go under the draft weights' name).
@@ -32,29 +33,51 @@ VLLM_STEP = "vllm"
 # wrongly kept every row plain for the rest of a request, so it never saw another verify (measured at 4K,
 # batch 1 and 4: 115 of 124 and 445 of 484 row steps proposed nothing).
 MIN_STEPS_FITTED = 8
+# Rows that take the compressed cache in the bootstrap (its draft forwards get fitted on them); the others
+# propose from their lookup or nothing, so a row whose plans never choose the cache is never adopted.
+BOOTSTRAP_CACHE_ROWS = 2
 # Prior acceptance of each source's drafts (a draft's, given the ones before it were accepted).
 PRIORS = {LOOKUP: PromptLookup.prior_acceptance, CACHE: CompressedCacheDrafter.prior_acceptance}
 
 
 @dataclasses.dataclass(slots=True)
 class RowRecord:
-    """A sequence's acceptance per source, and the round vLLM verifies next.
+    """A sequence's acceptance of its compressed cache's drafts, and the round vLLM verifies next.
 
     Attributes:
-        acceptance: Per source name.
-        pending: (source, tokens proposed) of the round vLLM verifies next (None: it proposed nothing).
+        cache: The acceptance of its cache's drafts.
+        pending: (the acceptance the round counts in, tokens proposed) of the round vLLM verifies next (None:
+            it proposed nothing).
     """
 
-    acceptance: dict[str, Acceptance] = dataclasses.field(
-        default_factory=lambda: {name: Acceptance(prior) for name, prior in PRIORS.items()})
-    pending: tuple[str, int] | None = None
+    cache: Acceptance = dataclasses.field(default_factory=lambda: Acceptance(PRIORS[CACHE]))
+    pending: tuple[Acceptance, int] | None = None
 
     def record(self, num_emitted: int) -> None:
         """The pending round emitted `num_emitted` tokens (vLLM's sampled tokens of the row: accepted + 1)."""
         if self.pending is not None:
-            source, num_drafted = self.pending
-            self.acceptance[source].update(num_drafted, min(num_emitted - 1, num_drafted))
+            acceptance, num_drafted = self.pending
+            acceptance.update(num_drafted, min(num_emitted - 1, num_drafted))
         self.pending = None
+
+
+@dataclasses.dataclass(slots=True)
+class LookupAcceptance:
+    """Prompt lookup's acceptance per n of the n-gram its proposal matched, shared by every row: a longer
+    match is accepted far more often (`kvlab.lossless.prompt_lookup.LookupMatch`), so one estimate for all
+    matches would let 1-gram matches hide the 3-gram ones that pay; and the rows of a batch learn it together."""
+
+    by_ngram: dict[int, Acceptance] = dataclasses.field(default_factory=dict)
+
+    def of(self, ngram: int) -> Acceptance:
+        """The acceptance of proposals that matched an `ngram`-gram."""
+        return self.by_ngram.setdefault(ngram, Acceptance(PRIORS[LOOKUP]))
+
+    def age_unused(self, used: set[int]) -> None:
+        """A step that verified no proposal of these n-grams: their evidence counts a little less."""
+        for ngram, acceptance in self.by_ngram.items():
+            if ngram not in used:
+                acceptance.age()
 
 
 @dataclasses.dataclass(slots=True)
@@ -94,58 +117,91 @@ class RowPlan:
     num_draft_tokens: int
 
 
-def plan_rows(records: list[RowRecord], lookups: list[list[int]], cached: list[int], contexts: list[int],
-              max_tokens: int, costs: StepCosts, optimism: float = 1.0) -> list[RowPlan]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepRows:
+    """The rows of one vLLM step as its plan sees them, each list in row order.
+
+    Attributes:
+        records: Each row's cache acceptance and pending round.
+        lookups: Each row's prompt lookup match (no tokens where none, or no lookup).
+        cached: Tokens each row's draft cache holds (what a draft forward attends over).
+        contexts: Tokens whose KV vLLM holds for each row before the step (what its verify attends over).
+    """
+
+    records: list[RowRecord]
+    lookups: list[LookupMatch]
+    cached: list[int]
+    contexts: list[int]
+
+
+def plan_rows(rows: StepRows, max_tokens: int, costs: StepCosts, lookup_acceptance: LookupAcceptance,
+              optimism: float = 1.0) -> list[RowPlan]:
     """Each row's source and length for one vLLM step.
 
     Args:
-        records: Per row, its acceptance and pending round.
-        lookups: Per row, its prompt lookup's proposal ([] where none or no lookup).
-        cached: Per row, the tokens its draft cache holds (what a draft forward attends over).
-        contexts: Per row, the tokens whose KV vLLM holds before the step (what its verify attends over).
+        rows: The step's rows.
         max_tokens: vLLM's `num_speculative_tokens`.
         costs: The fitted model of vLLM's steps and of the proposer's draft forwards.
+        lookup_acceptance: Prompt lookup's acceptance per matched n-gram length.
         optimism: Standard deviations of exploration (`choose_length`).
     """
     if not costs.ready():
         costs.num_bootstrap_steps += 1
-        return bootstrap_plans(lookups, max_tokens, costs.num_bootstrap_steps, costs.forwards.ready(costs.weights))
-    num_rows = len(records)
-    num_cache_rows = max(sum(not lookup for lookup in lookups), 1)
+        return bootstrap_plans([match.token_ids for match in rows.lookups], max_tokens, costs.num_bootstrap_steps,
+                               costs.forwards.ready(costs.weights))
+    # The rows drafting from their caches share each draft forward: first taken as those without a lookup,
+    # then as the rows that chose the cache.
+    sharing = max(sum(not match.token_ids for match in rows.lookups), 1)
+    plans = _plan_step(rows, max_tokens, costs, lookup_acceptance, optimism, sharing)
+    in_cache = max(sum(plan.source == CACHE for plan in plans), 1)
+    if in_cache != sharing:
+        plans = _plan_step(rows, max_tokens, costs, lookup_acceptance, optimism, in_cache)
+    for record, plan in zip(rows.records, plans, strict=True):
+        if plan.source != CACHE:
+            record.cache.age()
+    lookup_acceptance.age_unused({match.ngram for match, plan in zip(rows.lookups, plans, strict=True)
+                                  if plan.source == LOOKUP})
+    return plans
+
+
+def _plan_step(rows: StepRows, max_tokens: int, costs: StepCosts, lookup_acceptance: LookupAcceptance,
+               optimism: float, num_cache_rows: int) -> list[RowPlan]:
+    """`plan_rows`' choice for every row, `num_cache_rows` rows sharing each draft forward."""
+    num_rows = len(rows.records)
     plans = []
-    for record, lookup, num_cached, context in zip(records, lookups, cached, contexts, strict=True):
+    for record, match, num_cached, context in zip(rows.records, rows.lookups, rows.cached, rows.contexts,
+                                                  strict=True):
         def verify_s(length: int, context: int = context) -> float:
             return costs.forwards.share_s(VLLM_STEP, SegmentShape(length + 1, context), num_rows)
 
         plain_s = verify_s(0)
         best, best_rate = RowPlan(None, 0), 1.0 / max(plain_s, 1e-9)
-        if lookup:
-            choice = choose_length(record.acceptance[LOOKUP], range(1, len(lookup) + 1), verify_s, plain_s, optimism)
+        if match.token_ids:
+            choice = choose_length(lookup_acceptance.of(match.ngram), range(1, len(match.token_ids) + 1), verify_s,
+                                   plain_s, optimism)
             if choice.rate > best_rate:
                 best, best_rate = RowPlan(LOOKUP, choice.num_draft_tokens), choice.rate
         draft_s = costs.forwards.share_s(costs.weights, SegmentShape(1, num_cached), num_cache_rows)
-        choice = choose_length(record.acceptance[CACHE], range(1, max_tokens + 1),
+        choice = choose_length(record.cache, range(1, max_tokens + 1),
                                lambda length, draft_s=draft_s: verify_s(length) + length * draft_s,  # type: ignore[misc]
                                plain_s, optimism)
         if choice.rate > best_rate:
             best = RowPlan(CACHE, choice.num_draft_tokens)
         plans.append(best)
-    for record, plan in zip(records, plans, strict=True):
-        for source, acceptance in record.acceptance.items():
-            if source != plan.source:
-                acceptance.age()
     return plans
 
 
 def bootstrap_plans(lookups: list[list[int]], max_tokens: int, step: int, drafts_fitted: bool) -> list[RowPlan]:
     """Rows' plans while the costs are not fitted: row i of step `step` proposes (step + i) mod
-    (max_tokens + 1) tokens (0: nothing), from its lookup where it has one, else from the cache; while the
-    draft forwards are not fitted, from the cache on every other turn (so that they get fitted)."""
+    (max_tokens + 1) tokens (0: nothing), from its lookup where it has one, else from the cache (the first
+    BOOTSTRAP_CACHE_ROWS rows only; the others propose nothing then); while the draft forwards are not
+    fitted, those rows draft from the cache on every other turn (so that they get fitted)."""
     plans = []
     for index, lookup in enumerate(lookups):
         length = (step + index) % (max_tokens + 1)
-        cache_turn = not drafts_fitted and (step + index) // (max_tokens + 1) % 2 == 1
-        if length == 0:
+        may_cache = index < BOOTSTRAP_CACHE_ROWS
+        cache_turn = may_cache and not drafts_fitted and (step + index) // (max_tokens + 1) % 2 == 1
+        if length == 0 or not (lookup or may_cache):
             plans.append(RowPlan(None, 0))
         elif lookup and not cache_turn:
             plans.append(RowPlan(LOOKUP, min(length, len(lookup))))
