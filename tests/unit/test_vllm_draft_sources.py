@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvlab.integrations.vllm.sources import (
+    ADOPTION_ROUNDS,
     BOOTSTRAP_CACHE_ROWS,
     CACHE,
     LOOKUP,
@@ -43,24 +44,23 @@ def record(num_drafted: int, num_emitted: int, rounds: int, acceptance: Acceptan
     return row
 
 
-def step(records: list[RowRecord], lookups: list[list[int]], num_cached: int = 100, ngram: int = 3) -> StepRows:
+def step(records: list[RowRecord], lookups: list[list[int]], num_cached: int = 100, ngram: int = 3,
+         adopt_s: float = 0.0) -> StepRows:
     """A step of `records` with these lookup proposals (each an `ngram`-gram match), caches and contexts of
-    `num_cached` tokens."""
+    `num_cached` tokens, each row's adoption still costing `adopt_s`."""
     matches = [LookupMatch(tokens, ngram if tokens else 0) for tokens in lookups]
-    return StepRows(records, matches, [num_cached] * len(records), [num_cached] * len(records))
+    num_rows = len(records)
+    return StepRows(records, matches, [num_cached] * num_rows, [num_cached] * num_rows, [adopt_s] * num_rows)
 
 
 def test_before_the_costs_are_fitted_rows_propose_every_length_from_both_sources_in_turn() -> None:
-    costs = StepCosts("int8")
-    steps = [plan_rows(step([RowRecord(), RowRecord()], [[5, 6, 7, 8], []]), 4, costs, LookupAcceptance())
-             for _ in range(10)]
-    for row in range(2):
-        plans = [step[row] for step in steps]
+    for lookup, sources in (([5, 6, 7, 8], {LOOKUP, CACHE}), ([], {CACHE})):  # a row without a lookup: the cache
+        costs = StepCosts("int8")
+        plans = [plan_rows(step([RowRecord()], [lookup]), 4, costs, LookupAcceptance())[0] for _ in range(10)]
         assert {plan.num_draft_tokens for plan in plans} == {0, 1, 2, 3, 4}
         assert all(plan.source is None for plan in plans if plan.num_draft_tokens == 0)
-    assert {plan.source for plan in (step[0] for step in steps) if plan.source} == {LOOKUP, CACHE}
-    assert {plan.source for plan in (step[1] for step in steps) if plan.source} == {CACHE}  # it has no lookup
-    assert costs.num_bootstrap_steps == 10
+        assert {plan.source for plan in plans if plan.source} == sources
+        assert costs.num_bootstrap_steps == 10
     fitted_drafts = [bootstrap_plans([[5, 6, 7, 8]], 4, step, drafts_fitted=True)[0] for step in range(10)]
     assert {plan.source for plan in fitted_drafts} == {LOOKUP, None}  # the cache's turns end once it is fitted
 
@@ -71,8 +71,17 @@ def test_the_bootstrap_fits_the_cache_on_its_first_rows_only() -> None:
     lookups = [[5, 6, 7, 8], [], [5, 6, 7, 8], []]
     steps = [bootstrap_plans(lookups, 4, step, drafts_fitted=False) for step in range(10)]
     sources = [{plan.source for plan in (step[row] for step in steps)} for row in range(4)]
-    assert BOOTSTRAP_CACHE_ROWS == 2
-    assert sources == [{LOOKUP, CACHE, None}, {CACHE, None}, {LOOKUP, None}, {None}], sources
+    assert BOOTSTRAP_CACHE_ROWS == 1
+    assert sources == [{LOOKUP, CACHE, None}, {None}, {LOOKUP, None}, {None}], sources
+
+
+def test_a_row_not_adopted_yet_takes_its_cache_only_where_the_adoption_is_worth_it() -> None:
+    """Drafts accepted 4 of 4 at 10 ms a draft forward beside a 100 ms step: an adopted row drafts from its
+    cache; one whose adoption would cost 16 s (1 s a round over ADOPTION_ROUNDS) does not."""
+    accepted = record(4, 5, rounds=30)
+    adopted = plan_rows(step([accepted], [[]]), 4, fitted(0.1, 0.01), LookupAcceptance())
+    dear = plan_rows(step([accepted], [[]], adopt_s=ADOPTION_ROUNDS * 1.0), 4, fitted(0.1, 0.01), LookupAcceptance())
+    assert adopted == [RowPlan(CACHE, 4)] and dear == [RowPlan(None, 0)], (adopted, dear)
 
 
 def test_a_fixed_length_takes_the_lookup_where_it_has_one_else_the_cache() -> None:

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Generator
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from kvlab.errors import ConfigError
@@ -86,17 +87,17 @@ def find_continuation(context_ids: list[int], num_tokens: int, lookup: PromptLoo
     return find_match(context_ids, num_tokens, lookup).token_ids
 
 
-def find_match(context_ids: list[int], num_tokens: int, lookup: PromptLookup) -> LookupMatch:
-    """`find_continuation`'s tokens and the n it matched."""
+def find_match(context_ids: list[int] | np.ndarray, num_tokens: int, lookup: PromptLookup) -> LookupMatch:
+    """`find_continuation`'s tokens and the n it matched (`context_ids` may be an int64 array: read in place)."""
     length = len(context_ids)
     if num_tokens < 1:
         return LookupMatch([], 0)
-    tokens = torch.tensor(context_ids, dtype=torch.long)
+    tokens = torch.as_tensor(context_ids, dtype=torch.long)
     for size in range(min(lookup.max_ngram, length - 1), lookup.min_ngram - 1, -1):
         # Windows starting before the suffix itself, so a match always has a continuation.
         windows = tokens[: length - 1].unfold(0, size, 1)
         matches = (windows == tokens[length - size :]).all(dim=1).nonzero()
         if len(matches):
             start = int(matches[-1, 0]) + size
-            return LookupMatch(context_ids[start : start + num_tokens], size)
+            return LookupMatch(tokens[start : start + num_tokens].tolist(), size)
     return LookupMatch([], 0)

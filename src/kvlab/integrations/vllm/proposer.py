@@ -315,14 +315,16 @@ class KVLabDraftProposer:
         not adopted yet is priced at the length the last adoption kept, and adopted once its plan drafts
         from the cache: a row that prompt lookup serves never pays for its window and compression."""
         k = self.num_speculative_tokens
-        lookups = [find_match(history.tolist(), k, self.lookup) if self.lookup is not None else LookupMatch([], 0)
+        lookups = [find_match(history, k, self.lookup) if self.lookup is not None else LookupMatch([], 0)
                    for history in histories]
         contexts = [len(history) - 1 for history in histories]
         cached = [cached_tokens(sequence.cache) if sequence.cache is not None else min(self.kept_tokens or context,
                                                                                        context)
                   for sequence, context in zip(sequences, contexts, strict=True)]
+        adopt_s = [0.0 if sequence.cache is not None else self.stats.adopt_s_per_token() * context
+                   for sequence, context in zip(sequences, contexts, strict=True)]
         if self.draft_length == "auto":
-            step = StepRows([sequence.sources for sequence in sequences], lookups, cached, contexts)
+            step = StepRows([sequence.sources for sequence in sequences], lookups, cached, contexts, adopt_s)
             plans = plan_rows(step, k, self.costs, self.lookup_acceptance)
         else:
             plans = fixed_plans([match.token_ids for match in lookups], k)

@@ -35,7 +35,12 @@ VLLM_STEP = "vllm"
 MIN_STEPS_FITTED = 8
 # Rows that take the compressed cache in the bootstrap (its draft forwards get fitted on them); the others
 # propose from their lookup or nothing, so a row whose plans never choose the cache is never adopted.
-BOOTSTRAP_CACHE_ROWS = 2
+BOOTSTRAP_CACHE_ROWS = 1
+# Rounds a row's adoption (window, compression, check: about 0.25 s for a 4K prompt, 0.5 s for 6.4K) is spread
+# over when a plan prices a row's first round from its cache: a row that adopts is expected to draft from its
+# cache again. Priced as free, adoption made rows take one cache round each: at batch 8 on a 6.4K prompt all
+# 8 were adopted for 46 cache row steps (3.9 s of a 22.8 s decode span).
+ADOPTION_ROUNDS = 16
 # Prior acceptance of each source's drafts (a draft's, given the ones before it were accepted).
 PRIORS = {LOOKUP: PromptLookup.prior_acceptance, CACHE: CompressedCacheDrafter.prior_acceptance}
 
@@ -126,12 +131,14 @@ class StepRows:
         lookups: Each row's prompt lookup match (no tokens where none, or no lookup).
         cached: Tokens each row's draft cache holds (what a draft forward attends over).
         contexts: Tokens whose KV vLLM holds for each row before the step (what its verify attends over).
+        adopt_s: Seconds each row's adoption would still cost before its cache drafts (0 once adopted).
     """
 
     records: list[RowRecord]
     lookups: list[LookupMatch]
     cached: list[int]
     contexts: list[int]
+    adopt_s: list[float]
 
 
 def plan_rows(rows: StepRows, max_tokens: int, costs: StepCosts, lookup_acceptance: LookupAcceptance,
@@ -169,8 +176,8 @@ def _plan_step(rows: StepRows, max_tokens: int, costs: StepCosts, lookup_accepta
     """`plan_rows`' choice for every row, `num_cache_rows` rows sharing each draft forward."""
     num_rows = len(rows.records)
     plans = []
-    for record, match, num_cached, context in zip(rows.records, rows.lookups, rows.cached, rows.contexts,
-                                                  strict=True):
+    for record, match, num_cached, context, adopt_s in zip(rows.records, rows.lookups, rows.cached, rows.contexts,
+                                                           rows.adopt_s, strict=True):
         def verify_s(length: int, context: int = context) -> float:
             return costs.forwards.share_s(VLLM_STEP, SegmentShape(length + 1, context), num_rows)
 
@@ -182,8 +189,10 @@ def _plan_step(rows: StepRows, max_tokens: int, costs: StepCosts, lookup_accepta
             if choice.rate > best_rate:
                 best, best_rate = RowPlan(LOOKUP, choice.num_draft_tokens), choice.rate
         draft_s = costs.forwards.share_s(costs.weights, SegmentShape(1, num_cached), num_cache_rows)
+        first_s = adopt_s / ADOPTION_ROUNDS
         choice = choose_length(record.cache, range(1, max_tokens + 1),
-                               lambda length, draft_s=draft_s: verify_s(length) + length * draft_s,  # type: ignore[misc]
+                               lambda length, draft_s=draft_s, first_s=first_s:  # type: ignore[misc]
+                               verify_s(length) + length * draft_s + first_s,
                                plain_s, optimism)
         if choice.rate > best_rate:
             best = RowPlan(CACHE, choice.num_draft_tokens)
