@@ -75,7 +75,8 @@ def split_drafter_name(name: str) -> tuple[PromptLookup | None, str]:
 class LookupMatch:
     """A lookup's proposal and the length n of the n-gram it matched (0: no match, no tokens). A longer
     match is accepted far more often: on the greedy output of a 6.4K-token summary prompt (SmolLM2), the
-    first token of a 3-gram match's continuation was right in 79% of steps, of a 1- or 2-gram match's in 21%."""
+    first token of a 3-gram match's continuation was right in 79% of steps, of a 1- or 2-gram match's in 21%
+    (`benchmarks/lookup_matches.py`)."""
 
     token_ids: list[int]
     ngram: int

@@ -8,7 +8,8 @@ with its full KV, so output is identical to plain decoding whatever the drafts a
 
 With `KVLabConnector` in the same engine (`kv_connector_extra_config` may be empty), each step's rows
 come with their request ids and vLLM's pages (`kvlab.integrations.vllm.handover`):
-- a new request's draft cache is its prompt's KV read from the pages and compressed; only the last
+- a request's draft cache is its prompt's KV read from the pages and compressed, made when a plan first
+  drafts from that row's cache (a row served by prompt lookup or plain steps never pays for it); only the last
   `window` prompt tokens are computed again, for the compressor's observation window (SnapKV's
   queries) and as a check that the pages hold this prompt's KV (a mismatch falls back to the token
   path for that request, logged and counted). A compressor that scores with every prompt query
@@ -19,7 +20,8 @@ come with their request ids and vLLM's pages (`kvlab.integrations.vllm.handover`
   proposer only adapts a row to them: `DraftRow`), the rows' rounds packed (`kvlab.engine.runner`): one
   forward per draft position reads the weights once;
 - each step, kvlab's planner chooses for every row together (`sources.py`): its prompt lookup's
-  continuation (no forward, with an `ngram+<compressor>` drafter), a round from the compressed cache of
+  continuation (no forward, with an `ngram+<compressor>` drafter; judged by what matches of its n-gram length
+  were accepted), a round from the compressed cache of
   the length that pays most (the rows drafting together split each draft forward, costed by kvlab's
   fitted cost model), or nothing, where no round is expected to beat the row's plain step.
 
