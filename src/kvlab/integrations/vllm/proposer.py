@@ -40,14 +40,12 @@ proposer nothing but its config. Prompts' windows and prefills always run with t
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from typing import Any
 
 import numpy as np
 
-from kvlab.compress import Compressor, compressors
+from kvlab.compress import Compressor
 from kvlab.engine import Feed, PackedBatch, pack, run_batch, run_to_end
 from kvlab.errors import ConfigError
 from kvlab.integrations.vllm.adoption import (
@@ -57,11 +55,23 @@ from kvlab.integrations.vllm.adoption import (
     ProposerStats,
     SequenceBuilder,
     cached_tokens,
+    synthetic_caches,
 )
 from kvlab.integrations.vllm.handover import BOARD, LayerKV, StepHandover, engine_key
 from kvlab.integrations.vllm.model import served_model, transformers_model
+from kvlab.integrations.vllm.settings import (
+    DEFAULT_DRAFTER,
+    DRAFT_LENGTH_ENV,
+    DRAFT_WEIGHTS_ENV,
+    DRAFTER_ENV,
+    draft_length_from_environment,
+    draft_weights_from_environment,
+    drafter_from_environment,
+)
 from kvlab.integrations.vllm.sources import (
     CACHE,
+    CALIBRATION_KEPT_TOKENS,
+    CALIBRATION_ROWS,
     LOOKUP,
     LookupAcceptance,
     StepCosts,
@@ -72,9 +82,9 @@ from kvlab.integrations.vllm.sources import (
 from kvlab.lossless.compressed_cache import CompressedCacheDrafter
 from kvlab.lossless.cost_model import SegmentShape
 from kvlab.lossless.drafter import Offer
-from kvlab.lossless.prompt_lookup import LookupMatch, PromptLookup, find_match, split_drafter_name
+from kvlab.lossless.prompt_lookup import LookupMatch, PromptLookup, find_match
 from kvlab.models import LoadedModel
-from kvlab.models.draft_weights import DRAFT_WEIGHTS, DraftWeights, draft_model
+from kvlab.models.draft_weights import DraftWeights, draft_model
 from kvlab.timing import Stopwatch
 
 __all__ = ["DEFAULT_DRAFTER", "DRAFTER_ENV", "DRAFT_LENGTH_ENV", "DRAFT_WEIGHTS_ENV", "DraftSequence",
@@ -83,46 +93,9 @@ __all__ = ["DEFAULT_DRAFTER", "DRAFTER_ENV", "DRAFT_LENGTH_ENV", "DRAFT_WEIGHTS_
 
 logger = logging.getLogger(__name__)
 
-DRAFTER_ENV = "KVLAB_VLLM_DRAFTER"
-DRAFT_WEIGHTS_ENV = "KVLAB_VLLM_DRAFT_WEIGHTS"
-DRAFT_LENGTH_ENV = "KVLAB_VLLM_DRAFT_LENGTH"
-DRAFT_LENGTHS = ("auto", "fixed")
-DEFAULT_DRAFTER: dict[str, Any] = {"name": "snapkv"}
 # Sequences kept without being seen in a step when they are found by token prefix (no request ids):
 # a preempted request that comes back finds its cache.
 _MAX_IDLE_SEQUENCES = 8
-
-
-def drafter_from_environment() -> tuple[Compressor, PromptLookup | None]:
-    """The compressor `KVLAB_VLLM_DRAFTER` names (JSON), or SnapKV with its defaults, and the prompt
-    lookup its name composes it with (`ngram+snapkv`), if any."""
-    text = os.environ.get(DRAFTER_ENV)
-    try:
-        spec = json.loads(text) if text else dict(DEFAULT_DRAFTER)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{DRAFTER_ENV} must be JSON like {{\"name\": \"snapkv\"}}, got {text!r}: {error}") from None
-    if not isinstance(spec, dict):
-        raise ConfigError(f"{DRAFTER_ENV} must be a JSON object with a 'name', got {text!r}")
-    lookup, name = split_drafter_name(str(spec.get("name", "")))
-    return compressors.from_dict({**spec, "name": name}), lookup
-
-
-def draft_length_from_environment() -> str:
-    """`KVLAB_VLLM_DRAFT_LENGTH`: `auto` (default: kvlab's planner chooses each row's source and length, or
-    nothing) or `fixed` (every row proposes `num_speculative_tokens`: its lookup's continuation where it
-    has one, else the compressed cache's)."""
-    length = os.environ.get(DRAFT_LENGTH_ENV) or "auto"
-    if length not in DRAFT_LENGTHS:
-        raise ConfigError(f"{DRAFT_LENGTH_ENV} must be one of {', '.join(DRAFT_LENGTHS)}, got {length!r}")
-    return length
-
-
-def draft_weights_from_environment() -> DraftWeights:
-    """The draft weights `KVLAB_VLLM_DRAFT_WEIGHTS` names (`same` when unset)."""
-    weights = os.environ.get(DRAFT_WEIGHTS_ENV) or "same"
-    if weights not in DRAFT_WEIGHTS:
-        raise ConfigError(f"{DRAFT_WEIGHTS_ENV} must be one of {', '.join(DRAFT_WEIGHTS)}, got {weights!r}")
-    return weights  # type: ignore[return-value]
 
 
 class KVLabDraftProposer:
@@ -163,7 +136,10 @@ class KVLabDraftProposer:
     def load_model(self, target_model: Any = None) -> None:
         """Load the served checkpoint for kvlab's attention (vLLM's module cannot use a kvlab cache)."""
         self.model = transformers_model(self.directory, self.dtype)
-        draft_model(self.model.model, self.draft_weights)  # made once now, not in the first step
+        drafts = draft_model(self.model.model, self.draft_weights)  # made once now, not in the first step
+        if self.draft_length == "auto":
+            self.costs.calibrate_drafts(drafts, [synthetic_caches(self.model, kept, max(CALIBRATION_ROWS))
+                                                 for kept in CALIBRATION_KEPT_TOKENS])
         target_vocab = getattr(getattr(target_model, "config", None), "vocab_size", None)
         if target_vocab is not None and target_vocab != self.model.model.config.vocab_size:
             raise ConfigError(f"KVLabDraftProposer: the drafter's vocabulary ({self.model.model.config.vocab_size}) "
