@@ -83,25 +83,24 @@ def calibrate_batch(costs: ForwardCostModel, models: dict[str, torch.nn.Module],
     fulls = [full for full, _ in pairs if not isinstance(full.layers[0], TieredKVLayer)]
     drafts = [draft for _, draft in pairs]
     if len(fulls) > 1:
-        seconds, shapes = timed_packed(models["same"], fulls, token_id)
+        seconds, shapes = _timed_packed(models["same"], fulls, token_id)
         costs.observe_tick([("same", shapes, seconds)], calibration=True)
     for weights, model in models.items():
-        seconds, shapes = timed_packed(model, drafts, token_id)
+        seconds, shapes = _timed_packed(model, drafts, token_id)
         costs.observe_tick([(weights, shapes, seconds)], calibration=True)
 
 
 def _timed_forward(
     model: torch.nn.Module, cache: KVCache, token_id: int, num_tokens: int
 ) -> tuple[float, SegmentShape]:
-    seconds, shapes = timed_packed(model, [cache], token_id, num_tokens)
+    seconds, shapes = _timed_packed(model, [cache], token_id, num_tokens)
     return seconds, shapes[0]
 
 
-def timed_packed(
+def _timed_packed(
     model: torch.nn.Module, caches: list[KVCache], token_id: int, num_tokens: int = 1
 ) -> tuple[float, list[SegmentShape]]:
-    """One packed forward feeding `num_tokens` copies of `token_id` to each cache, rolled back after: its
-    seconds and its segments' shapes."""
+    """One packed forward feeding `num_tokens` copies of `token_id` to each cache, rolled back after."""
     shapes = [SegmentShape(num_tokens, cache.layers[0].lengths[0]) for cache in caches]  # type: ignore[attr-defined]
     provisional = [cache.layers[0].deferred for cache in caches]  # a draft cache mid-round stays provisional
     for cache in caches:

@@ -55,7 +55,6 @@ from kvlab.integrations.vllm.adoption import (
     ProposerStats,
     SequenceBuilder,
     cached_tokens,
-    synthetic_caches,
 )
 from kvlab.integrations.vllm.handover import BOARD, LayerKV, StepHandover, engine_key
 from kvlab.integrations.vllm.model import served_model, transformers_model
@@ -70,8 +69,6 @@ from kvlab.integrations.vllm.settings import (
 )
 from kvlab.integrations.vllm.sources import (
     CACHE,
-    CALIBRATION_KEPT_TOKENS,
-    CALIBRATION_ROWS,
     LOOKUP,
     LookupAcceptance,
     StepCosts,
@@ -136,10 +133,7 @@ class KVLabDraftProposer:
     def load_model(self, target_model: Any = None) -> None:
         """Load the served checkpoint for kvlab's attention (vLLM's module cannot use a kvlab cache)."""
         self.model = transformers_model(self.directory, self.dtype)
-        drafts = draft_model(self.model.model, self.draft_weights)  # made once now, not in the first step
-        if self.draft_length == "auto":
-            self.costs.calibrate_drafts(drafts, [synthetic_caches(self.model, kept, max(CALIBRATION_ROWS))
-                                                 for kept in CALIBRATION_KEPT_TOKENS])
+        draft_model(self.model.model, self.draft_weights)  # made once now, not in the first step
         target_vocab = getattr(getattr(target_model, "config", None), "vocab_size", None)
         if target_vocab is not None and target_vocab != self.model.model.config.vocab_size:
             raise ConfigError(f"KVLabDraftProposer: the drafter's vocabulary ({self.model.model.config.vocab_size}) "

@@ -18,10 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
-from kvlab.cache import KVCache
-from kvlab.lossless.calibration import timed_packed
 from kvlab.lossless.compressed_cache import CompressedCacheDrafter
 from kvlab.lossless.cost_model import ForwardCostModel, SegmentShape
 from kvlab.lossless.lengths import choose_length
@@ -45,10 +41,6 @@ BOOTSTRAP_CACHE_ROWS = 1
 # cache again. Priced as free, adoption made rows take one cache round each: at batch 8 on a 6.4K prompt all
 # 8 were adopted for 46 cache row steps (3.9 s of a 22.8 s decode span).
 ADOPTION_ROUNDS = 16
-# Rows and kept tokens of the packed draft forwards `StepCosts.calibrate_drafts` times at load (the kept tokens
-# of a compressed cache: a SnapKV budget of 512 keeps 512).
-CALIBRATION_ROWS = (1, 2, 4, 8)
-CALIBRATION_KEPT_TOKENS = (256, 1024)
 # Prior acceptance of each source's drafts (a draft's, given the ones before it were accepted).
 PRIORS = {LOOKUP: PromptLookup.prior_acceptance, CACHE: CompressedCacheDrafter.prior_acceptance}
 
@@ -117,20 +109,9 @@ class StepCosts:
         """vLLM's step over `rows` (each: its proposal + 1 tokens after its context) took `seconds`."""
         self.forwards.observe_tick([(VLLM_STEP, rows, seconds)])
 
-    def observe_draft(self, rows: list[SegmentShape], seconds: float, calibration: bool = False) -> None:
-        """One packed draft forward over `rows` took `seconds` (`calibration`: a forward `calibrate_drafts` ran)."""
-        self.forwards.observe_tick([(self.weights, rows, seconds)], calibration=calibration)
-
-    def calibrate_drafts(self, model: torch.nn.Module, caches_by_length: list[list[KVCache]]) -> None:
-        """Fit the draft forward before any request: packed forwards over 1, 2, 4 and 8 of each list's caches
-        (synthetic ones of a few kept lengths), each the faster of two, rolled back. Before, the bootstrap
-        adopted a row to draft from its cache on alternate turns, and adopting costs 0.3-0.4 s of a request's
-        decode (docs/vllm.md)."""
-        for caches in caches_by_length:
-            for num_rows in CALIBRATION_ROWS:
-                timed = [timed_packed(model, caches[:num_rows], 0) for _ in range(2)]
-                seconds, shapes = min(timed, key=lambda forward: forward[0])
-                self.observe_draft(shapes, seconds, calibration=True)
+    def observe_draft(self, rows: list[SegmentShape], seconds: float) -> None:
+        """One packed draft forward over `rows` took `seconds`."""
+        self.forwards.observe_tick([(self.weights, rows, seconds)])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
