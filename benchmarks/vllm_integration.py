@@ -68,10 +68,12 @@ def engine(args: argparse.Namespace, **options: Any) -> Any:
 def kv_cache_gib(model_dir: str, args: argparse.Namespace) -> int:
     """GiB of vLLM's CPU KV cache for a whole batch at once (2 at least): a cache that holds fewer rows makes
     vLLM preempt or hold back requests, and a batch row would then time fewer rows than it names."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    bytes_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4  # float32
-    need = args.batch * (args.prefix_tokens + args.new_tokens + 64) * bytes_per_token * 1.25
+    from transformers import AutoConfig
+
+    from kvlab.models.architecture import ModelArchitecture
+
+    bytes_per_token = ModelArchitecture.from_config(AutoConfig.from_pretrained(model_dir)).kv_bytes_per_token(4)
+    need = args.batch * (args.prefix_tokens + args.new_tokens + 64) * bytes_per_token * 1.25  # float32
     return max(2, math.ceil(need / 2**30))
 
 

@@ -64,6 +64,11 @@ class KVCache:
     def batch_size(self) -> int:
         return len(self.seq_lengths)
 
+    def stored_tokens(self, row: int = 0) -> int:
+        """Tokens row `row` holds in storage: a compressed cache's kept ones, not the tokens it has consumed
+        (`seq_lengths`). What a forward over it attends to, read from the first layer."""
+        return int(self.layers[0].lengths[row])  # type: ignore[attr-defined]
+
     def next_positions(self, num_new: int, device: torch.device | str) -> torch.Tensor:
         """[B, num_new] int64 positions of the next tokens of every row."""
         starts = torch.tensor(self.seq_lengths, dtype=torch.long)

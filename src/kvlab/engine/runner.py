@@ -56,8 +56,7 @@ def pack(model: torch.nn.Module, feeds: list[Feed]) -> PackedBatch:
         segments.append(Segment(feed.cache, len(feed.token_ids), captured=feed.captured))
         end += len(feed.token_ids)
         logits_at.extend(range(end - feed.num_logits, end))
-    shapes = [SegmentShape(segment.num_tokens, segment.cache.layers[0].lengths[0])  # type: ignore[attr-defined]
-              for segment in segments]
+    shapes = [SegmentShape(segment.num_tokens, segment.cache.stored_tokens()) for segment in segments]
     return PackedBatch(model, ordered, segments, [feed.token_ids for feed in ordered], logits_at, shapes)
 
 

@@ -61,7 +61,7 @@ def calibrate(
     calibrated = False
     for weights, model in models.items():
         cache = served if weights == "same" else draft
-        if costs.calibration_covers(weights, cache.layers[0].lengths[0]):  # type: ignore[attr-defined]
+        if costs.calibration_covers(weights, cache.stored_tokens()):
             continue
         calibrated = True
         if weights == "same":
@@ -101,7 +101,7 @@ def _timed_packed(
     model: torch.nn.Module, caches: list[KVCache], token_id: int, num_tokens: int = 1
 ) -> tuple[float, list[SegmentShape]]:
     """One packed forward feeding `num_tokens` copies of `token_id` to each cache, rolled back after."""
-    shapes = [SegmentShape(num_tokens, cache.layers[0].lengths[0]) for cache in caches]  # type: ignore[attr-defined]
+    shapes = [SegmentShape(num_tokens, cache.stored_tokens()) for cache in caches]
     provisional = [cache.layers[0].deferred for cache in caches]  # a draft cache mid-round stays provisional
     for cache in caches:
         cache.set_provisional(True)  # a compressed layer never compresses what is rolled back

@@ -37,8 +37,7 @@ class CompressedCacheDrafter(Drafter):
     def offer(self, host: RoundHost, state: RoundState, limit: int) -> Offer | None:
         if limit < 1:
             return None
-        num_cached = state.draft.layers[0].lengths[0]  # type: ignore[attr-defined]
-        return Offer(self, limit, weights=self.draft_weights, num_cached=num_cached)
+        return Offer(self, limit, weights=self.draft_weights, num_cached=state.draft.stored_tokens())
 
     def draft(
         self, host: RoundHost, state: RoundState, offer: Offer, num_tokens: int

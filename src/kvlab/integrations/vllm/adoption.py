@@ -121,11 +121,6 @@ class ProposerStats:
             logger.warning("KVLabDraftProposer falls back to its own prefill (%s, %d so far): %s", kind, count, detail)
 
 
-def cached_tokens(cache: KVCache) -> int:
-    """Tokens a draft cache holds (a compressed one's kept)."""
-    return int(cache.layers[0].lengths[0])  # type: ignore[attr-defined]
-
-
 def observation_window(compressor: Compressor) -> int:
     """Prompt tokens recomputed on adoption: the compressor's observation window, at least MIN_WINDOW."""
     return max(MIN_WINDOW, int(getattr(compressor, "window_size", 0) or 0))

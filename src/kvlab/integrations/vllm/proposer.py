@@ -54,7 +54,6 @@ from kvlab.integrations.vllm.adoption import (
     HandoverMismatch,
     ProposerStats,
     SequenceBuilder,
-    cached_tokens,
 )
 from kvlab.integrations.vllm.handover import BOARD, LayerKV, StepHandover, engine_key
 from kvlab.integrations.vllm.model import served_model, transformers_model
@@ -242,7 +241,7 @@ class KVLabDraftProposer:
             return self._by_token_prefix(history)
         assert built.cache is not None
         sequence.cache, sequence.token_ids = built.cache, built.token_ids
-        self.kept_tokens = cached_tokens(built.cache)
+        self.kept_tokens = built.cache.stored_tokens()
         return sequence
 
     def _handed_request(self, row: int, history: np.ndarray, handover: StepHandover | None) -> str | None:
@@ -290,7 +289,7 @@ class KVLabDraftProposer:
         lookups = [find_match(history, k, self.lookup) if self.lookup is not None else LookupMatch([], 0)
                    for history in histories]
         contexts = [len(history) - 1 for history in histories]
-        cached = [cached_tokens(sequence.cache) if sequence.cache is not None else min(self.kept_tokens or context,
+        cached = [sequence.cache.stored_tokens() if sequence.cache is not None else min(self.kept_tokens or context,
                                                                                        context)
                   for sequence, context in zip(sequences, contexts, strict=True)]
         adopt_s = [0.0 if sequence.cache is not None else self.stats.adopt_s_per_token() * context
