@@ -51,6 +51,8 @@ class Offer:
         token_ids: The tokens, where they are known already (prompt lookup); None: drafted forward by forward.
         weights: The weights its draft forwards run on (`DRAFT_WEIGHTS`); None: its drafts cost no forward.
         num_cached: Tokens each of its draft forwards attends over (before the token it feeds).
+        kind: Which of the drafter's proposals this is, where they are accepted at different rates (prompt
+            lookup: the n of the n-gram it matched); offers of one kind share an acceptance record.
     """
 
     drafter: Drafter
@@ -58,6 +60,12 @@ class Offer:
     token_ids: list[int] | None = None
     weights: str | None = None
     num_cached: int = 0
+    kind: str = ""
+
+    @property
+    def acceptance_key(self) -> str:
+        """The name of the acceptance record that judges this offer (the drafter's, per kind)."""
+        return f"{self.drafter.name}/{self.kind}" if self.kind else self.drafter.name
 
 
 @dataclasses.dataclass(slots=True)

@@ -200,20 +200,22 @@ class RoundPlanner:
     num_plans: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     run_acceptance: dict[str, Acceptance] = dataclasses.field(default_factory=dict)
 
-    def new_acceptance(self, drafter: Drafter) -> Acceptance:
-        """A new sequence's acceptance record of `drafter`: its prior is what the run's recent rounds of that
-        drafter accepted (the drafter's own prior before any)."""
-        run = self.run_acceptance.setdefault(drafter.name, Acceptance(drafter.prior_acceptance))
-        return Acceptance(run.pooled()[0])
+    def acceptance_of(self, state: PlannedState, offer: Offer) -> Acceptance:
+        """`state`'s acceptance record of offers like `offer` (`Offer.acceptance_key`), made on first use: its
+        prior is what the run's recent rounds of such offers accepted (the drafter's own prior before any)."""
+        key = offer.acceptance_key
+        if key not in state.acceptance:
+            run = self.run_acceptance.setdefault(key, Acceptance(offer.drafter.prior_acceptance))
+            state.acceptance[key] = Acceptance(run.pooled()[0])
+        return state.acceptance[key]
 
     def round_done(self, state: PlannedState, plan: RoundPlan, num_draft_tokens: int,
                    num_accepted_tokens: int) -> None:
         """`state`'s round is verified: it no longer holds a draft forward, and its acceptance counts."""
         self.batch.drafting.pop(id(state), None)
         if plan.offer is not None and num_draft_tokens:
-            name = plan.offer.drafter.name
-            state.acceptance[name].update(num_draft_tokens, num_accepted_tokens)
-            run = self.run_acceptance.setdefault(name, Acceptance(plan.offer.drafter.prior_acceptance))
+            self.acceptance_of(state, plan.offer).update(num_draft_tokens, num_accepted_tokens)
+            run = self.run_acceptance[plan.offer.acceptance_key]
             run.age()  # the run's recent rounds: a long-lived engine's workload changes
             run.update(num_draft_tokens, num_accepted_tokens)
 
@@ -239,8 +241,7 @@ class RoundPlanner:
                 self.batch.group_plans = self._plan_group(list(group.values()))
             plan = self.batch.group_plans.pop(id(state))
             del group[id(state)]
-            if plan.offer is None:
-                state.acceptance[state.drafters[0].name].age()
+            _age_unused(state, plan)
             return self._taken(state, plan)
         if fixed is not None:
             limit = min(limit, fixed)
@@ -255,16 +256,14 @@ class RoundPlanner:
                 continue
             if (fixed is not None and best.offer is None) or _rate(candidate) > _rate(best):
                 best = candidate
-        for drafter in state.drafters:
-            if best.offer is None or drafter is not best.offer.drafter:
-                state.acceptance[drafter.name].age()
+        _age_unused(state, best)
         return self._taken(state, best)
 
     def _taken(self, state: PlannedState, plan: RoundPlan) -> RoundPlan:
         self.num_plans[plan.source] += 1
         if plan.offer is not None and plan.offer.weights is not None and plan.num_draft_tokens:
             self.batch.drafting[id(state)] = plan.offer.weights
-        decision = {"source": plan.source, "k": plan.num_draft_tokens,
+        decision = {"source": plan.source, "kind": plan.offer.kind if plan.offer else "", "k": plan.num_draft_tokens,
                     "expected_tokens": round(plan.expected_tokens, 2),
                     "expected_ms": round(plan.expected_s * 1e3, 2), "plain_ms": round(plan.plain_s * 1e3, 2),
                     "running": self.batch.num_running}
@@ -283,7 +282,7 @@ class RoundPlanner:
             return None
         round_s = self._round_costs(state, offer)
         lengths = [min(fixed, offer.max_tokens)] if fixed is not None else range(1, offer.max_tokens + 1)
-        choice = choose_length(state.acceptance[offer.drafter.name], lengths, round_s, plain_s,
+        choice = choose_length(self.acceptance_of(state, offer), lengths, round_s, plain_s,
                                self.optimism if fixed is None else 0.0)
         return RoundPlan(offer, choice.num_draft_tokens, choice.expected_tokens, choice.seconds, plain_s)
 
@@ -340,7 +339,7 @@ class RoundPlanner:
         # deviation of which is sqrt(n) of one member's, not n of them (members' acceptances taken independent).
         optimism = self.optimism / math.sqrt(len(drafting))
         estimates = [
-            [state.acceptance[offer.drafter.name].expected_tokens(offer.max_tokens, spread)  # type: ignore[union-attr]
+            [self.acceptance_of(state, offer).expected_tokens(offer.max_tokens, spread)  # type: ignore[arg-type,union-attr]
              for spread in (0.0, optimism / 2, optimism)]
             for state, offer, _ in drafting
         ]
@@ -377,6 +376,14 @@ def _in_step(state: PlannedState) -> bool:
     """Whether a sequence's rounds can be planned in step with others': `auto` lengths from its compressed
     cache alone (a prompt-lookup round takes one tick whatever its length; a fixed length is fixed)."""
     return state.settings.num_draft_tokens == "auto" and len(state.drafters) == 1 and not state.in_transit
+
+
+def _age_unused(state: PlannedState, plan: RoundPlan) -> None:
+    """Every acceptance record of `state` that `plan` does not draft with counts its evidence a little less."""
+    used = None if plan.offer is None else plan.offer.acceptance_key
+    for key, acceptance in state.acceptance.items():
+        if key != used:
+            acceptance.age()
 
 
 def _rate(plan: RoundPlan) -> float:

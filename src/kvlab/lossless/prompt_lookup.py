@@ -34,7 +34,10 @@ class PromptLookup(Drafter):
     """
 
     prior_acceptance: ClassVar[float] = 0.5
-    max_ngram: int = dataclasses.field(default=3, metadata={"help": "longest n-gram matched"})
+    # Up to 8: the length of the match is what says whether the output is copying its context. Replaying
+    # SmolLM2's greedy outputs with 8 drafts a step (4K document, 6.4K summary), 8-gram matches' first draft was
+    # right in 14 of 14 steps (5.8 and 6.8 drafts accepted a step), matches of 1 to 3 tokens' in 28 of 60.
+    max_ngram: int = dataclasses.field(default=8, metadata={"help": "longest n-gram matched"})
     min_ngram: int = dataclasses.field(default=1, metadata={"help": "shortest n-gram matched"})
     num_draft_tokens: int = dataclasses.field(default=8, metadata={"help": "tokens proposed per round at most"})
 
@@ -50,8 +53,11 @@ class PromptLookup(Drafter):
         the draft cache already predicted the next token)."""
         if state.in_transit or state.draft_logits is not None:
             return None
-        proposal = find_continuation(host.context_ids(), min(self.num_draft_tokens, limit), self)
-        return Offer(self, len(proposal), token_ids=proposal) if proposal else None
+        match = find_match(host.context_ids(), min(self.num_draft_tokens, limit), self)
+        if not match.token_ids:
+            return None
+        # Judged per match length: a 3-gram match's continuation is accepted far more often than a 1-gram's.
+        return Offer(self, len(match.token_ids), token_ids=match.token_ids, kind=match.kind)
 
     def draft(
         self, host: RoundHost, state: RoundState, offer: Offer, num_tokens: int
@@ -80,6 +86,11 @@ class LookupMatch:
 
     token_ids: list[int]
     ngram: int
+
+    @property
+    def kind(self) -> str:
+        """Its kind of offer (`kvlab.lossless.drafter.Offer.kind`): the matched n-gram's length."""
+        return f"{self.ngram}-gram"
 
 
 def find_continuation(context_ids: list[int], num_tokens: int, lookup: PromptLookup) -> list[int]:

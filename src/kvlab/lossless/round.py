@@ -50,7 +50,8 @@ class LosslessState:
         totals: Every sequence's rounds (the engine's figures); shared, not owned.
         draft_logits: [1, V] logits predicting the first draft token, when already computed.
         drafters: Its drafters (prompt lookup before the compressed cache, which comes last).
-        acceptance: Its acceptance per drafter name, per draft position.
+        acceptance: Its acceptance per kind of offer (`Offer.acceptance_key`), per draft position; the
+            planner makes each record on first use.
         stats: This sequence's rounds.
     """
 
@@ -68,8 +69,6 @@ class LosslessState:
 
     def __post_init__(self) -> None:
         self.drafters = self.drafters or drafters_of(self.settings)
-        self.acceptance = self.acceptance or {drafter.name: self.planner.new_acceptance(drafter)
-                                              for drafter in self.drafters}
 
     @property
     def in_transit(self) -> bool:

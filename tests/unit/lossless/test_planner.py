@@ -367,3 +367,41 @@ def test_a_fixed_length_past_the_search_window_is_still_chosen(fixed: int) -> No
 
     choice = choose_length(Acceptance(0.5), [fixed], lambda length: 0.01 * (length + 1), 0.01, 1.0)
     assert choice.num_draft_tokens == fixed
+
+
+class KindDrafter(Drafter):
+    """Offers proposals known in advance (no forward), of the kind the test sets."""
+
+    name = "kinds"  # type: ignore[assignment]
+    kind = "1-gram"
+
+    def offer(self, host: RoundHost, state: LosslessState, limit: int) -> Offer | None:
+        return Offer(self, min(limit, 8), token_ids=[7] * min(limit, 8), kind=self.kind)
+
+    def draft(self, host: RoundHost, state: LosslessState, offer: Offer,
+              num_tokens: int) -> Generator[Feed, torch.Tensor, Proposal]:
+        yield from ()
+        return Proposal([7] * num_tokens)
+
+
+def test_offers_of_different_kinds_are_judged_by_their_own_acceptance() -> None:
+    """A drafter whose short matches are always rejected and whose long ones always accepted: once both
+    are known, the planner drafts long from a long match and takes a plain step on a short one (one
+    record for both would judge each by the other's rounds)."""
+    drafter = KindDrafter()
+    settings = LosslessConfig(create_compressor("snapkv", compression_ratio=0.9), "auto")
+    state = FakeState(settings, [drafter], {})
+    planner = RoundPlanner(ScriptedCosts(step_s=0.05, verify_token_s=0.01))
+    for _ in range(12):
+        for kind, right in (("1-gram", False), ("8-gram", True)):
+            drafter.kind = kind
+            plan = planner.plan(Host(), state)  # type: ignore[arg-type]
+            if plan.offer is not None:
+                planner.round_done(state, plan, plan.num_draft_tokens, plan.num_draft_tokens if right else 0)
+    assert set(state.acceptance) == {"kinds/1-gram", "kinds/8-gram"}
+    drafter.kind = "1-gram"
+    assert planner.plan(Host(), state).offer is None  # type: ignore[arg-type]
+    drafter.kind = "8-gram"
+    long = planner.plan(Host(), state)  # type: ignore[arg-type]
+    assert long.offer is not None and long.num_draft_tokens == 8, long
+

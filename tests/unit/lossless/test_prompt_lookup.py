@@ -3,6 +3,8 @@ output equal to plain decoding for every compressor, sampling that keeps the ful
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -32,6 +34,32 @@ def test_the_longest_recent_ngram_match_gives_the_continuation() -> None:
     assert find_match(context, 3, LOOKUP) == LookupMatch([9, 9, 5], 3)
     assert find_match([2, 3, 7, 8, 6, 2, 3, 5, 0, 2, 3], 2, LOOKUP) == LookupMatch([5, 0], 2)
     assert find_match([4, 5, 6], 4, LOOKUP) == LookupMatch([], 0)
+
+
+def test_an_offer_is_of_the_kind_of_its_match_so_copying_is_judged_apart() -> None:
+    """The offer names the length of its match (up to 8 tokens by default): a context copying an earlier run
+    matches 8, a stray token 1, and the planner keeps an acceptance record for each."""
+    phrase = list(range(10, 30))
+    copying = Host(phrase + [5, 6] + phrase[:12])
+    offer = LOOKUP.offer(copying, NoDraftLogits(), 4)  # type: ignore[arg-type]
+    assert offer is not None and offer.token_ids == phrase[12:16]
+    assert (offer.kind, offer.acceptance_key) == ("8-gram", "prompt_lookup/8-gram")
+    stray = LOOKUP.offer(Host(phrase + [5, 6] + [40, 12]), NoDraftLogits(), 4)  # type: ignore[arg-type]
+    assert stray is not None and stray.token_ids == phrase[3:7]
+    assert (stray.kind, stray.acceptance_key) == ("1-gram", "prompt_lookup/1-gram")
+
+
+@dataclasses.dataclass
+class Host:
+    context: list[int]
+
+    def context_ids(self) -> list[int]:
+        return self.context
+
+
+class NoDraftLogits:
+    in_transit = False
+    draft_logits = None
 
 
 def test_drafter_names_compose() -> None:
