@@ -1,11 +1,11 @@
 """How often prompt lookup's proposals are right, by the length of the n-gram they matched.
 
-Usage: .venv/bin/python benchmarks/lookup_matches.py [--num-draft-tokens 4] [--json PATH]
+Usage: .venv/bin/python benchmarks/lookup_matches.py [--num-draft-tokens 4] [--max-ngram N] [--json PATH]
 
 Replays kvlab plain's greedy outputs kept by `benchmarks/peers.py` (docs/peers-plain.json: the bundled document
 at 4096 tokens; docs/peers-summary-6k.json: the 6452-token summary prompt) as speculative decoding that verifies
 a lookup proposal of `--num-draft-tokens` at every step: at each step the lookup (`ngram+` drafters' defaults:
-n-grams of 3 down to 1 token) proposes what followed the longest recent match of the context's last tokens,
+n-grams of 8, or `--max-ngram`, down to 1 token) proposes what followed the longest recent match of the context's last tokens,
 the proposal's leading tokens equal to the greedy output are accepted, and the next step starts after them.
 Per matched n-gram length it prints the steps, how often the first draft was right, and the drafts accepted
 per step. No model runs: the outputs are the kept ones, so this is exact and takes seconds.
@@ -69,9 +69,11 @@ def cases() -> dict[str, tuple[list[int], list[int]]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--max-ngram", type=int, default=PromptLookup().max_ngram, help="longest n-gram matched")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
-    results = {name: replay(prompt, output, PromptLookup(), args.num_draft_tokens)
+    lookup = PromptLookup(max_ngram=args.max_ngram)
+    results = {name: replay(prompt, output, lookup, args.num_draft_tokens)
                for name, (prompt, output) in cases().items()}
     print("| prompt | matched n-gram | steps | first draft right | drafts accepted per step |")
     print("|---|---|---|---|---|")
@@ -80,7 +82,8 @@ def main() -> None:
             print(f"| {name} | {ngram} | {row['steps']} | {row['first_right_fraction']:.0%} | "
                   f"{row['accepted_per_step']:.2f} |")
     if args.json:
-        args.json.write_text(json.dumps({"num_draft_tokens": args.num_draft_tokens, "results": results}, indent=1))
+        args.json.write_text(json.dumps({"num_draft_tokens": args.num_draft_tokens, "max_ngram": args.max_ngram,
+                                           "results": results}, indent=1))
 
 
 if __name__ == "__main__":
