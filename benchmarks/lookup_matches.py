@@ -5,8 +5,9 @@ Usage: .venv/bin/python benchmarks/lookup_matches.py [--num-draft-tokens 4] [--m
 Replays kvlab plain's greedy outputs kept by `benchmarks/peers.py` (docs/peers-plain.json: the bundled document
 at 4096 tokens; docs/peers-summary-6k.json: the 6452-token summary prompt) as speculative decoding that verifies
 a lookup proposal of `--num-draft-tokens` at every step: at each step the lookup (`ngram+` drafters' defaults:
-n-grams of 8, or `--max-ngram`, down to 1 token) proposes what followed the longest recent match of the context's last tokens,
-the proposal's leading tokens equal to the greedy output are accepted, and the next step starts after them.
+n-grams of 8, or `--max-ngram`, down to 1 token) proposes what followed the longest recent match of the
+context's last tokens, the proposal's leading tokens equal to the greedy output are accepted, and the next step
+starts after them.
 Per matched n-gram length it prints the steps, how often the first draft was right, and the drafts accepted
 per step. No model runs: the outputs are the kept ones, so this is exact and takes seconds.
 """
