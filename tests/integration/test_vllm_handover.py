@@ -289,7 +289,7 @@ def fitted_costs(weights: str, draft_forward_s: float) -> StepCosts:
 
 def test_a_lookup_round_drafts_no_forward_and_the_row_is_adopted_when_its_cache_first_drafts(
         tiny: LoadedModel) -> None:
-    from kvlab.lossless.prompt_lookup import PromptLookup, find_continuation
+    from kvlab.lossless.prompt_lookup import PromptLookup, find_match
 
     proposer = proposer_for(tiny, "snapkv", draft_length="auto", compression_ratio=0.0)
     proposer.lookup = PromptLookup()
@@ -297,7 +297,7 @@ def test_a_lookup_round_drafts_no_forward_and_the_row_is_adopted_when_its_cache_
     pages = Pages(tiny)
     history = PROMPTS[1][:30] * 2 + [PROMPTS[1][30]]
     drafts = propose(proposer, [history], pages.step([pages.write("a", history[:-1])]))
-    assert drafts[0] == find_continuation(history, NUM_SPECULATIVE_TOKENS, PromptLookup()) != []
+    assert drafts[0] == find_match(history, NUM_SPECULATIVE_TOKENS, PromptLookup()).token_ids != []
     assert proposer.stats.num_draft_forwards == 0 and proposer.stats.num_lookup_rounds == 1
     assert proposer.stats.num_lookup_draft_tokens == len(drafts[0]) and proposer.stats.num_draft_tokens == 0
     assert proposer.stats.num_adopted == 0, "a row served by its lookup paid for a window and a compression"
@@ -305,7 +305,7 @@ def test_a_lookup_round_drafts_no_forward_and_the_row_is_adopted_when_its_cache_
     # 10 ms each beside a 100 ms step: the cache drafts next.
     proposer.costs = fitted_costs(proposer.draft_weights, draft_forward_s=0.01)
     grown = history + [PROMPTS[1][31]]  # the repetition goes on: the lookup has a proposal again
-    assert find_continuation(grown, NUM_SPECULATIVE_TOKENS, PromptLookup())
+    assert find_match(grown, NUM_SPECULATIVE_TOKENS, PromptLookup()).token_ids
     drafts = propose(proposer, [grown], pages.step([pages.write("a", grown[:-1])]))
     assert drafts[0] == greedy_continuation(tiny, grown, NUM_SPECULATIVE_TOKENS)
     assert proposer.stats.num_draft_forwards == NUM_SPECULATIVE_TOKENS and proposer.stats.fallbacks == {}

@@ -94,14 +94,10 @@ class LookupMatch:
         return f"{self.ngram}-gram"
 
 
-def find_continuation(context_ids: list[int], num_tokens: int, lookup: PromptLookup) -> list[int]:
-    """What followed the most recent earlier occurrence of the context's last n tokens, for the largest n
-    in `[lookup.min_ngram, lookup.max_ngram]` that occurs; at most `num_tokens` tokens ([] when none)."""
-    return find_match(context_ids, num_tokens, lookup).token_ids
-
-
 def find_match(context_ids: list[int] | np.ndarray, num_tokens: int, lookup: PromptLookup) -> LookupMatch:
-    """`find_continuation`'s tokens and the n it matched (`context_ids` may be an int64 array: read in place)."""
+    """What followed the most recent earlier occurrence of the context's last n tokens, for the largest n
+    in `[lookup.min_ngram, lookup.max_ngram]` that occurs (at most `num_tokens` tokens, none where no n
+    occurs), and that n (`context_ids` may be an int64 array: read in place)."""
     length = len(context_ids)
     if num_tokens < 1:
         return LookupMatch([], 0)

@@ -13,7 +13,7 @@ from kvlab.engine import Engine, Request, generate_lossless
 from kvlab.errors import ConfigError
 from kvlab.generation import GenerationConfig, reference_generate
 from kvlab.lossless import LosslessConfig
-from kvlab.lossless.prompt_lookup import LookupMatch, PromptLookup, find_continuation, find_match, split_drafter_name
+from kvlab.lossless.prompt_lookup import LookupMatch, PromptLookup, find_match, split_drafter_name
 from tests.helpers import tiny_llama
 from tests.unit.lossless.scripted import ScriptedCosts
 from tests.unit.lossless.test_lossless import DRAFTERS, _prompts, chi_square, second_token_marginal
@@ -24,12 +24,12 @@ LOOKUP = PromptLookup()
 def test_the_longest_recent_ngram_match_gives_the_continuation() -> None:
     context = [1, 2, 3, 9, 9, 5, 2, 3, 7, 8, 4, 1, 2, 3]
     # The last three tokens (1 2 3) occurred at the start: what followed them is proposed.
-    assert find_continuation(context, 3, LOOKUP) == [9, 9, 5]
+    assert find_match(context, 3, LOOKUP).token_ids == [9, 9, 5]
     # Without a 3-gram match, the most recent 2-gram (2 3) wins over older ones.
-    assert find_continuation([2, 3, 7, 8, 6, 2, 3, 5, 0, 2, 3], 2, LOOKUP) == [5, 0]
-    assert find_continuation([4, 5, 6], 4, LOOKUP) == []  # 6 never occurred before
-    assert find_continuation([4, 6, 5, 6], 4, LOOKUP) == [5, 6]  # the match runs up to the end
-    assert find_continuation([4, 6, 5, 6], 0, LOOKUP) == []
+    assert find_match([2, 3, 7, 8, 6, 2, 3, 5, 0, 2, 3], 2, LOOKUP).token_ids == [5, 0]
+    assert find_match([4, 5, 6], 4, LOOKUP).token_ids == []  # 6 never occurred before
+    assert find_match([4, 6, 5, 6], 4, LOOKUP).token_ids == [5, 6]  # the match runs up to the end
+    assert find_match([4, 6, 5, 6], 0, LOOKUP).token_ids == []
     # The match says how long an n-gram it found.
     assert find_match(context, 3, LOOKUP) == LookupMatch([9, 9, 5], 3)
     assert find_match([2, 3, 7, 8, 6, 2, 3, 5, 0, 2, 3], 2, LOOKUP) == LookupMatch([5, 0], 2)
