@@ -1,7 +1,7 @@
 """How close each forward runs to this machine's limits: time, bytes moved, FLOPs and the fraction of its bound.
 
 Usage: .venv/bin/python benchmarks/roofline.py [--contexts 4096 8064] [--batches 1 4 8]
-           [--verify-tokens 8 16] [--repeats 7] [--json PATH]
+           [--verify-tokens 8 16] [--repeats 7] [--with-transformers-forward] [--json PATH]
 
 First the machine's own limits, measured with torch on the threads it runs with: the streaming
 bandwidth (summing a 512 MB float32 tensor), the rate a float32 matrix-vector product reads its matrix,
@@ -12,8 +12,10 @@ so drift on a shared machine hits every row alike:
 - a step at a 16-token context (the weights alone: attention over 16 keys costs nothing), which splits a
   plain step into its linear layers and its attention;
 - verifies of 1 + k tokens at the longest context;
-- draft steps at the longest context: SnapKV-10% caches with the served float32, bf16 and int8 weights,
-  KIVI-4 and TurboQuant-4 caches with the served weights.
+- draft steps at the longest context: SnapKV-10% caches with the served float32, bf16, int8 and int4
+  weights, KIVI-4 and TurboQuant-4 caches with the served weights;
+- with `--with-transformers-forward`, the weights-only step and the longest batch-1 plain step through
+  transformers' own forward over unfused packed weights (kvlab's forward before `kvlab.models.decoder_forward`).
 
 Bytes moved: the linear layers' weights once per forward (as stored: 4, 2 or 1 bytes a weight) plus the
 keys and values every segment's attention reads (a quantized cache's working copy, as it is read today).
@@ -42,7 +44,9 @@ from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids
 from kvlab.generation.prefill import PrefillCaches, prefill
 from kvlab.models import LoadedModel, load_model
+from kvlab.models.decoder_forward import use_transformers_forward
 from kvlab.models.draft_weights import draft_model
+from kvlab.models.packed_linear import PackedSlice, pack_linear_layers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from lossless_decode import attended_bytes, linear_weight_bytes, warm_up_decode_attention
@@ -145,7 +149,9 @@ class Forward:
 
 
 def _linears(model: torch.nn.Module) -> list[Any]:
-    return [m for m in model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
+    """Every linear layer a forward runs: a fused projection counts once, its parts not at all."""
+    return [m for m in model.modules()
+            if hasattr(m, "in_features") and hasattr(m, "out_features") and not isinstance(m, PackedSlice)]
 
 
 def _attended_keys(cache: KVCache) -> int:
@@ -184,6 +190,16 @@ def build_forwards(loaded: LoadedModel, args: argparse.Namespace) -> list[Forwar
     small, _, _ = prefill(loaded, [document[:WEIGHTS_ONLY_CONTEXT]], PrefillCaches(WEIGHTS_ONLY_CONTEXT + 2))
     forwards.append(Forward(f"step at {WEIGHTS_ONLY_CONTEXT} context (weights only)", model, [small], 1, following,
                             WEIGHTS_ONLY_CONTEXT))
+    if args.with_transformers_forward:
+        # The same weights packed but not fused, through transformers' own forward: what the lean
+        # forward replaced, timed beside it.
+        reference = load_model(packed_weights=False).model
+        pack_linear_layers(reference)
+        use_transformers_forward(reference)
+        forwards.append(Forward(f"step at {WEIGHTS_ONLY_CONTEXT} context, transformers' forward", reference, [small],
+                                1, following, WEIGHTS_ONLY_CONTEXT))
+        forwards.append(Forward(f"plain step, {longest} context, batch 1, transformers' forward", reference,
+                                [full], 1, following, longest))  # `full`: the longest context's cache
     capacity = longest + 2
     prompt = document[:longest]
     snapkv_drafter = create_compressor("snapkv", compression_ratio=0.9)
@@ -208,7 +224,7 @@ def report_rows(forwards: list[Forward], loaded: LoadedModel, limits: Limits) ->
     every row its time over one sequence's plain step at its context (what a round of drafts must beat)."""
     weights_only_ms = 1e3 * statistics.median(next(f for f in forwards if "weights only" in f.name).samples)
     plain_ms = {f.context: 1e3 * statistics.median(f.samples) for f in forwards
-                if f.name.startswith("plain") and len(f.caches) == 1}
+                if f.name.startswith("plain") and len(f.caches) == 1 and "transformers" not in f.name}
     rows = []
     for forward in forwards:
         ms = 1e3 * statistics.median(forward.samples)
@@ -219,7 +235,8 @@ def report_rows(forwards: list[Forward], loaded: LoadedModel, limits: Limits) ->
             "forward": forward.name, "ms": ms, "bytes_moved": nbytes, "mb_moved": nbytes / 1e6, "flops": flops,
             "gflop": flops / 1e9, "gbps": nbytes / ms / 1e6, "bound_ms": bound_ms, "fraction_of_bound": bound_ms / ms,
             "vs_plain_step": ms / plain_ms[forward.context] if forward.context in plain_ms else None,
-            "attention_ms": ms - weights_only_ms if forward.name.startswith(("plain", "verify")) else None,
+            "attention_ms": ms - weights_only_ms
+            if forward.name.startswith(("plain", "verify")) and "transformers" not in forward.name else None,
         })
     return rows
 
@@ -234,6 +251,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--verify-tokens", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--with-transformers-forward", action="store_true",
+                        help="also time the weights-only and the longest batch-1 plain step through transformers' "
+                             "own forward with unfused packed weights (what kvlab ran before its lean forward)")
     parser.add_argument("--json", type=Path, help="also write the limits and rows to this JSON file")
     args = parser.parse_args()
 

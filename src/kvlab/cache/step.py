@@ -8,6 +8,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvlab.cache.kv_cache import KVCache
+from kvlab.models.decoder_forward import causal_lm_forward
 
 
 @dataclasses.dataclass(slots=True)
@@ -85,15 +86,9 @@ def run_step(
     """Feed `input_ids` [B, q] through `model` with attention handled by `step`; advances its cache."""
     if input_ids.shape[0] != step.cache.batch_size:
         raise ValueError(f"input has {input_ids.shape[0]} rows but the cache holds {step.cache.batch_size}")
-    output = model(
-        input_ids=input_ids,
-        position_ids=step.query_positions,
-        use_cache=False,
-        logits_to_keep=logits_to_keep,
-        kvlab_step=step,
-    )
+    logits = causal_lm_forward(model, input_ids, step.query_positions, logits_to_keep, step)
     step.cache.advance(input_ids.shape[1])
-    return output.logits
+    return logits
 
 
 def forward(
@@ -188,13 +183,10 @@ def run_packed(
     device = model.device
     positions = [segment.cache.next_positions(segment.num_tokens, device) for segment in segments]
     input_ids = torch.tensor([[token for tokens in token_ids for token in tokens]], dtype=torch.long, device=device)
-    output = model(
-        input_ids=input_ids,
-        position_ids=torch.cat(positions, dim=1),
-        use_cache=False,
-        logits_to_keep=torch.tensor(logits_at, device=device),
-        kvlab_step=PackedStep(segments, positions),
+    step = PackedStep(segments, positions)
+    logits = causal_lm_forward(
+        model, input_ids, torch.cat(positions, dim=1), torch.tensor(logits_at, device=device), step
     )
     for segment in segments:
         segment.cache.advance(segment.num_tokens)
-    return output.logits[0]
+    return logits[0]

@@ -37,6 +37,7 @@ from transformers.utils import logging as hf_logging
 from kvlab.errors import ConfigError, ModelNotFoundError
 from kvlab.models.architecture import ModelArchitecture
 from kvlab.models.attention_hook import install_attention
+from kvlab.models.decoder_forward import fuse_projections
 from kvlab.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_gguf_path
 from kvlab.models.packed_linear import is_packed, pack_linear_layers
 from kvlab.paths import cache_dir
@@ -135,9 +136,11 @@ def load_model(
         device: A torch device string ("cpu", "cuda", "cuda:1").
         packed_weights: On a CPU in float32 or bfloat16, run the linear layers through oneDNN with
             weights packed once (`kvlab.models.packed_linear`): decode steps read them about 1.7x
-            faster. Greedy output stays transformers'; logits differ from its `F.linear` in their
-            last bits (measured within 3e-6 of the largest logit). An output layer tied to the
-            embeddings is packed as a copy (SmolLM2-135M: 113 MB more, Gemma 3 270M: 671 MB).
+            faster, and in the Llama family each layer's q/k/v and gate/up projections are packed as
+            one (`kvlab.models.decoder_forward`). Greedy output stays transformers'; logits differ
+            from its `F.linear` in their last bits (measured within 3e-6 of the largest logit). An
+            output layer tied to the embeddings is packed as a copy (SmolLM2-135M: 113 MB more, Gemma 3
+            270M: 671 MB).
             False keeps transformers' own layers, bit-identical to them.
 
     Raises:
@@ -205,6 +208,7 @@ def wrap_model(
     install_attention(model)
     if packed_weights:
         pack_linear_layers(model)
+        fuse_projections(model)
     return LoadedModel(
         name=name,
         source=source,

@@ -113,6 +113,81 @@ class PackedLinear(torch.nn.Module):
             destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
 
 
+class FusedPackedLinear(PackedLinear):
+    """Several bias-free projections of one input packed as one weight (q, k and v; gate and up), so a
+    forward reads them in one product; `split_sizes` are the parts' output features, in order. Each part
+    stays where it was as a `PackedSlice` of this one, which carries its name in the state dict and the
+    model's identity; this module carries nothing there."""
+
+    def __init__(self, weight: torch.Tensor, split_sizes: list[int]) -> None:
+        super().__init__(weight, None)
+        self.split_sizes = list(split_sizes)
+
+    @classmethod
+    def from_parts(cls, parts: list[PackedLinear]) -> FusedPackedLinear:
+        return cls(torch.cat([part.weight for part in parts]), [part.out_features for part in parts])
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        pass  # the parts save their own weights, under the names the unfused model gives them
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FusedPackedLinear:
+        duplicate = FusedPackedLinear(self.weight, self.split_sizes)
+        duplicate.train(self.training)
+        memo[id(self)] = duplicate
+        return duplicate
+
+
+class PackedSlice(torch.nn.Module):
+    """One part of a `FusedPackedLinear`, standing where that part's own layer stood: transformers' forward
+    calls it (computing the fused product and keeping its rows); kvlab's lean forward calls the fused
+    layer once instead. It holds no weight of its own: `weight` is its rows of the fused weight."""
+
+    fused: FusedPackedLinear
+
+    def __init__(self, fused: FusedPackedLinear, start: int, out_features: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "fused", fused)  # a reference, not a submodule: the fused layer has its own place
+        self.start, self.out_features, self.in_features = start, out_features, fused.in_features
+        self.bias = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.fused.weight[self.start : self.start + self.out_features]
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.fused(inputs)[..., self.start : self.start + self.out_features]
+
+    def to_linear(self) -> torch.nn.Linear:
+        linear = torch.nn.Linear(self.in_features, self.out_features, bias=False, dtype=self.fused.packed_weight.dtype)
+        linear.weight = torch.nn.Parameter(self.weight, requires_grad=False)
+        return linear
+
+    def extra_repr(self) -> str:
+        return f"rows {self.start}..{self.start + self.out_features} of a fused projection"
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        destination[prefix + "weight"] = self.weight
+
+
+def fuse_packed_parts(parent: torch.nn.Module, names: tuple[str, ...], fused_name: str) -> bool:
+    """Pack `parent`'s linear layers `names` (bias-free `PackedLinear`s of one input size and dtype) as one
+    `FusedPackedLinear` at `parent.<fused_name>`, each part replaced by its `PackedSlice`; returns whether
+    it did (False, and nothing changed, when any part is not such a layer)."""
+    parts = [getattr(parent, name, None) for name in names]
+    if not all(type(part) is PackedLinear and part.bias is None and not part.tied for part in parts):
+        return False
+    packed = [part for part in parts if isinstance(part, PackedLinear)]
+    if len({(part.in_features, part.packed_weight.dtype) for part in packed}) != 1:
+        return False
+    fused = FusedPackedLinear.from_parts(packed)
+    setattr(parent, fused_name, fused)
+    start = 0
+    for name, part in zip(names, packed, strict=True):
+        setattr(parent, name, PackedSlice(fused, start, part.out_features))
+        start += part.out_features
+    return True
+
+
 def pack_linear_layers(model: torch.nn.Module) -> int:
     """Replace every `torch.nn.Linear` in `model` by a `PackedLinear` with the same weights, in place.
 
@@ -140,16 +215,23 @@ def packed_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, packed weight) of every packed layer whose weight no parameter carries, named as
     `named_parameters` names an unpacked layer's ("model.layers.0.mlp.up_proj.weight"). The tensors
     are oneDNN's opaque ones (`.to_dense()` gives the values); each has the dense weight's shape."""
-    return [(f"{name}.weight", module.packed_weight) for name, module in model.named_modules()
-            if isinstance(module, PackedLinear) and not module.tied]
+    return [(f"{name}.weight", module.weight if isinstance(module, PackedSlice) else module.packed_weight)
+            for name, module in model.named_modules()
+            if isinstance(module, PackedSlice) or (isinstance(module, PackedLinear) and not module.tied
+                                                   and not isinstance(module, FusedPackedLinear))]
 
 
 def unpack_linear_layers(model: torch.nn.Module) -> int:
-    """Replace every `PackedLinear` in `model` by a plain `torch.nn.Linear`, in place; returns how many."""
-    packed = _children(model, PackedLinear)
+    """Replace every `PackedLinear` (and every part of a fused one) in `model` by a plain
+    `torch.nn.Linear`, in place, the fused layers removed; returns how many layers it replaced."""
+    packed, parts = _children(model, PackedLinear), _children(model, PackedSlice)
     for parent, name, child in packed:
         setattr(parent, name, child.to_linear())
-    return len(packed)
+    for parent, name, part in parts:
+        setattr(parent, name, part.to_linear())
+    for parent, name, _ in _children(model, FusedPackedLinear):
+        delattr(parent, name)
+    return len(packed) + len(parts)
 
 
 def dense_copy(model: torch.nn.Module) -> torch.nn.Module:
