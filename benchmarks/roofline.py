@@ -11,6 +11,8 @@ so drift on a shared machine hits every row alike:
 - plain decode steps at each context and batch (each sequence's cache a copy of one prefilled prompt);
 - a step at a 16-token context (the weights alone: attention over 16 keys costs nothing), which splits a
   plain step into its linear layers and its attention;
+- the linear layers alone, called in turn on one row (what the weights cost through their kernels; the
+  16-token step minus this is the forward's other work: norms, rotary, attention's host side);
 - verifies of 1 + k tokens at the longest context;
 - draft steps at the longest context: SnapKV-10% caches with the served float32, bf16, int8 and int4
   weights, KIVI-4 and TurboQuant-4 caches with the served weights;
@@ -46,7 +48,7 @@ from kvlab.generation.prefill import PrefillCaches, prefill
 from kvlab.models import LoadedModel, load_model
 from kvlab.models.decoder_forward import use_transformers_forward
 from kvlab.models.draft_weights import draft_model
-from kvlab.models.packed_linear import PackedSlice, pack_linear_layers
+from kvlab.models.packed_linear import ProjectionSlice, pack_linear_layers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from lossless_decode import attended_bytes, linear_weight_bytes, warm_up_decode_attention
@@ -148,10 +150,32 @@ class Forward:
         return 2 * weights * self.num_tokens * len(self.caches) + 4 * heads * head_dim * pairs
 
 
+@dataclasses.dataclass(slots=True)
+class LinearsOnly(Forward):
+    """Every linear layer of a forward called in turn on one token's row, nothing else: the time the
+    weights take through their kernels (from memory: the layers together are far larger than the
+    caches), so a step's time minus this is its other work."""
+
+    def run(self) -> float:
+        layers = _linears(self.model)
+        rows = {layer.in_features: torch.randn(1, layer.in_features) for layer in layers}
+        with torch.inference_mode():
+            start = time.perf_counter()
+            for layer in layers:
+                layer(rows[layer.in_features])
+            return time.perf_counter() - start
+
+    def bytes_moved(self) -> int:
+        return linear_weight_bytes(self.model)
+
+    def flops(self, loaded: LoadedModel) -> int:
+        return 2 * sum(module.in_features * module.out_features for module in _linears(self.model))
+
+
 def _linears(model: torch.nn.Module) -> list[Any]:
     """Every linear layer a forward runs: a fused projection counts once, its parts not at all."""
     return [m for m in model.modules()
-            if hasattr(m, "in_features") and hasattr(m, "out_features") and not isinstance(m, PackedSlice)]
+            if hasattr(m, "in_features") and hasattr(m, "out_features") and not isinstance(m, ProjectionSlice)]
 
 
 def _attended_keys(cache: KVCache) -> int:
@@ -190,6 +214,7 @@ def build_forwards(loaded: LoadedModel, args: argparse.Namespace) -> list[Forwar
     small, _, _ = prefill(loaded, [document[:WEIGHTS_ONLY_CONTEXT]], PrefillCaches(WEIGHTS_ONLY_CONTEXT + 2))
     forwards.append(Forward(f"step at {WEIGHTS_ONLY_CONTEXT} context (weights only)", model, [small], 1, following,
                             WEIGHTS_ONLY_CONTEXT))
+    forwards.append(LinearsOnly("linear layers alone, 1 token", model, [small], 1, following, WEIGHTS_ONLY_CONTEXT))
     if args.with_transformers_forward:
         # The same weights packed but not fused, through transformers' own forward: what the lean
         # forward replaced, timed beside it.

@@ -44,8 +44,9 @@ logger = logging.getLogger(__name__)
 # The folder for kept calibrations; set empty to keep none (every run calibrates). Default: the kvlab cache
 # directory's "calibration" folder.
 CALIBRATION_DIR_ENV = "KVLAB_CALIBRATION_DIR"
-# Bumped when a kept row's meaning changes (the cost model's features).
-FORMAT = 1
+# Bumped when a kept row's meaning changes (the cost model's features) or kvlab's forwards change cost
+# (2: the lean decoder forward and fused projections, `kvlab.models.decoder_forward`).
+FORMAT = 2
 
 # Tokens per calibration forward on the served weights (a plain step twice: its first pays set-ups).
 SERVED_TOKENS = (1, 1, 9, 17)

@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvlab.models.attention_hook import AttentionStep
-from kvlab.models.packed_linear import fuse_packed_parts
+from kvlab.models.packed_linear import fuse_parts
 
 LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 """Model types whose decoder layer the lean forward runs (their layers are Llama's, plus QK-norm in Qwen3)."""
@@ -60,14 +60,15 @@ def _lean_layout(model: torch.nn.Module) -> bool:
 
 def fuse_projections(model: torch.nn.Module) -> int:
     """Fuse each decoder layer's q/k/v and gate/up projections where the lean forward runs and they are
-    bias-free packed layers (`kvlab.models.packed_linear.fuse_packed_parts`); returns how many it fused.
-    transformers' forward still runs: each part computes the fused product and keeps its rows."""
+    bias-free packed or float layers (`kvlab.models.packed_linear.fuse_parts`); returns how many it
+    fused. transformers' forward still runs: each part computes the fused product and keeps its own
+    features. Draft copies fuse their float copy before quantizing it (`kvlab.models.draft_weights`)."""
     if not runs_lean(model):
         return 0
     fused = 0
     for layer in model.model.layers:  # type: ignore[union-attr]
-        fused += fuse_packed_parts(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
-        fused += fuse_packed_parts(layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")
+        fused += fuse_parts(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+        fused += fuse_parts(layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")
     return fused
 
 
@@ -114,7 +115,8 @@ def _attention(
     if fused is None:
         queries, keys, values = attention.q_proj(hidden), attention.k_proj(hidden), attention.v_proj(hidden)
     else:
-        queries, keys, values = fused(hidden).split(fused.split_sizes, dim=-1)
+        sizes = [attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features]
+        queries, keys, values = fused(hidden).split(sizes, dim=-1)
     queries, keys = queries.view(head_shape), keys.view(head_shape)
     values = values.view(head_shape).transpose(1, 2)
     q_norm = getattr(attention, "q_norm", None)
@@ -132,7 +134,7 @@ def _mlp(mlp: Any, hidden: torch.Tensor) -> torch.Tensor:
     fused = getattr(mlp, "gate_up_proj", None)
     if fused is None:
         return mlp(hidden)
-    gate, up = fused(hidden).split(fused.split_sizes, dim=-1)
+    gate, up = fused(hidden).split([mlp.gate_proj.out_features, mlp.up_proj.out_features], dim=-1)
     return mlp.down_proj(mlp.act_fn(gate) * up)
 
 

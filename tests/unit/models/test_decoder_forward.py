@@ -11,8 +11,10 @@ from kvlab.cache import KVCache, Segment, run_packed
 from kvlab.generation.prefill import PrefillCaches, prefill
 from kvlab.models import LoadedModel, model_identity, wrap_model
 from kvlab.models.decoder_forward import LEAN_MODEL_TYPES, runs_lean, use_transformers_forward
-from kvlab.models.packed_linear import FusedPackedLinear, PackedSlice, dense_copy, pack_linear_layers
-from tests.families import FAMILIES, Family, family_params
+from kvlab.models.draft_weights import draft_model
+from kvlab.models.int4_linear import Int4Linear, int4_kernels_available
+from kvlab.models.packed_linear import FusedPackedLinear, ProjectionSlice, dense_copy, pack_linear_layers
+from tests.families import FAMILIES, Family, family_named, family_params
 from tests.helpers import tiny_tokenizer
 
 PROMPT = [(7 * i + 3) % 90 + 3 for i in range(45)]
@@ -88,12 +90,13 @@ def test_a_fused_model_keeps_its_names_identity_and_transformers_forward(family:
     with torch.inference_mode():
         assert torch.equal(fused.model(ids).logits.argmax(-1), plain(ids).logits.argmax(-1))
     unpacked = dense_copy(fused.model)  # what int8 and int4 draft copies start from
-    assert not any(isinstance(module, (FusedPackedLinear, PackedSlice)) for module in unpacked.modules())
+    assert not any(isinstance(module, (FusedPackedLinear, ProjectionSlice)) for module in unpacked.modules())
     assert unpacked.state_dict().keys() == plain.state_dict().keys()
     duplicate = copy.deepcopy(fused.model)
     attention = duplicate.model.layers[0].self_attn
-    if isinstance(attention.q_proj, PackedSlice):
+    if isinstance(attention.q_proj, ProjectionSlice):
         assert attention.q_proj.fused is attention.qkv_proj, "a copy's parts must slice the copy's fused layer"
+        assert attention.q_proj.owner is attention
 
 
 def test_a_model_whose_layers_were_replaced_takes_transformers_forward() -> None:
@@ -112,3 +115,24 @@ def test_a_model_whose_layers_were_replaced_takes_transformers_forward() -> None
     layers[0] = WrappedLayer(layers[0])
     use_transformers_forward(loaded.model, False)  # read the layout again
     assert not runs_lean(loaded.model)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+def test_a_draft_copy_is_fused_and_its_parts_call_the_quantized_fused_layer(weights: str) -> None:
+    if weights == "int4" and not int4_kernels_available("cpu"):
+        pytest.skip("this torch has no CPU int4 kernels")
+    loaded = _packed(family_named("llama-gqa"))
+    drafter = draft_model(loaded.model, weights)  # type: ignore[arg-type]
+    assert runs_lean(drafter)
+    expected = {"bf16": FusedPackedLinear, "int8": "Linear", "int4": Int4Linear}[weights]
+    for layer in drafter.model.layers:
+        for fused_name, part_name in (("qkv_proj", "q_proj"), ("gate_up_proj", "up_proj")):
+            owner = layer.self_attn if fused_name == "qkv_proj" else layer.mlp
+            fused, part = getattr(owner, fused_name), getattr(owner, part_name)
+            assert isinstance(part, ProjectionSlice) and part.fused is fused
+            assert type(fused).__name__ == expected if isinstance(expected, str) else type(fused) is expected
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():  # transformers' forward through the parts, against the exact model
+        drafted, exact = drafter(ids).logits, loaded.model(ids).logits
+    error = (drafted - exact).abs().max() / exact.abs().max()
+    assert 0 < error < 0.5, f"{weights} logits are off by {error:.2e} of the largest: not a copy of this model"

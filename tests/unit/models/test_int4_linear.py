@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvlab.errors import ConfigError
 from kvlab.models import draft_weights
+from kvlab.models.decoder_forward import fuse_projections
 from kvlab.models.draft_weights import DRAFT_WEIGHTS, draft_model
 from kvlab.models.int4_linear import (
     Int4Linear,
@@ -152,8 +153,10 @@ def test_the_weight_bytes_are_the_packed_codes_and_the_scales_and_zeros() -> Non
 def test_an_int4_draft_copy_replaces_every_linear_and_leaves_the_model_untouched() -> None:
     loaded = tiny_llama()
     before = {name: tensor.clone() for name, tensor in loaded.model.state_dict().items()}
-    # The served model's fused q/k/v and gate/up projections are unfused in the copy: one int4 layer each.
-    num_linears = sum(type(module) is torch.nn.Linear for module in dense_copy(loaded.model).modules())
+    # One int4 layer per linear layer of the float copy, whose q/k/v and gate/up projections are fused.
+    duplicate = dense_copy(loaded.model)
+    fuse_projections(duplicate)
+    num_linears = sum(type(module) is torch.nn.Linear for module in duplicate.modules())
     num_packed = sum(isinstance(module, PackedLinear) for module in loaded.model.modules())
     drafter = draft_model(loaded.model, "int4")
     assert draft_model(loaded.model, "int4") is drafter, "the copy is made once per model"
