@@ -150,8 +150,12 @@ class ProjectionSlice(torch.nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """This part's rows of the fused layer's dense weight (a packed or float fused layer only)."""
-        return self.fused.weight[self.start : self.start + self.out_features]  # type: ignore[index]
+        """This part's rows of the fused layer's dense weight (AttributeError where the fused layer holds
+        none: int8 and int4 draft copies)."""
+        weight = getattr(self.fused, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            raise AttributeError(f"{self.fused_name} ({type(self.fused).__name__}) holds no dense weight")
+        return weight[self.start : self.start + self.out_features]
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.fused(inputs)[..., self.start : self.start + self.out_features]
