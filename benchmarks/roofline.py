@@ -23,7 +23,10 @@ Bytes moved: the linear layers' weights once per forward (as stored: 4, 2 or 1 b
 keys and values every segment's attention reads (a quantized cache's working copy, as it is read today).
 FLOPs: 2 per weight per token fed, plus 4 * query heads * head_dim per (query, key) pair of attention.
 The bound of a forward is the larger of bytes / streaming bandwidth and FLOPs / the matmul rate of its
-weights' dtype; `of bound` is bound / measured (1.0 would be at the machine's limit).
+weights' dtype; `of bound` is bound / measured (1.0 would be at the machine's limit). The bandwidth this
+shared machine gives moves by up to 2x within minutes, so it is measured again before each repeat's
+forwards (best of three sums) and each repeat's forwards are held to it: `of bound` is the median over
+the repeats.
 """
 
 from __future__ import annotations
@@ -61,11 +64,12 @@ WEIGHTS_ONLY_CONTEXT = 16
 class Limits:
     """The machine's measured limits (GB/s and GFLOP/s)."""
 
-    stream_gbps: float
+    stream_gbps: float  # the median of `stream_samples_gbps` once the repeats ran
     matvec_gbps: float
     fp32_gflops: float
     bf16_gflops: float
     int8_gops: float | None  # None: no int8 matmul kernel on this build
+    stream_samples_gbps: list[float] = dataclasses.field(default_factory=list)  # one per repeat, before its forwards
 
     def matmul_gflops(self, bytes_per_weight: float) -> float:
         """The matmul rate of weights stored in `bytes_per_weight` bytes each: bf16 (2), int8 (1, where the
@@ -87,9 +91,15 @@ def median_s(run: Callable[[], object], repeats: int) -> float:
     return statistics.median(timings)
 
 
+def _timed(run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
 def measure_limits(repeats: int) -> Limits:
     stream = torch.ones(STREAM_BYTES // 4)
-    stream_s = median_s(lambda: stream.sum(), max(repeats, 15))  # the bound every row is held to: more samples
+    stream_s = median_s(lambda: stream.sum(), repeats)  # replaced by the repeats' own samples (`main`)
     matrix, vector = torch.randn(8192, 8192), torch.randn(8192)
     matvec_s = median_s(lambda: torch.mv(matrix, vector), repeats)
     n = 2048
@@ -235,6 +245,9 @@ def build_forwards(loaded: LoadedModel, args: argparse.Namespace) -> list[Forwar
         label = "fp32" if weights == "same" else weights
         forwards.append(Forward(f"draft step, SnapKV-10%, {label} weights, {longest}", drafter, [snapkv], 1, following,
                                 longest))
+        if weights in ("int8", "int4"):
+            forwards.append(LinearsOnly(f"linear layers alone, {label} weights, 1 token", drafter, [small], 1,
+                                        following, WEIGHTS_ONLY_CONTEXT))
     for name in ("kivi", "turboquant"):
         cache = prefill(loaded, [prompt], PrefillCaches(capacity, drafter=create_compressor(name, bits=4)))[1]
         assert cache is not None
@@ -255,10 +268,14 @@ def report_rows(forwards: list[Forward], loaded: LoadedModel, limits: Limits) ->
         ms = 1e3 * statistics.median(forward.samples)
         nbytes, flops = forward.bytes_moved(), forward.flops(loaded)
         rate = limits.matmul_gflops(_bytes_per_weight(forward.model))
-        bound_ms = 1e3 * max(nbytes / (limits.stream_gbps * 1e9), flops / (rate * 1e9))
+        # Each repeat's bound from the bandwidth measured just before it; the fraction is the median of
+        # bound / time over the repeats.
+        bounds = [max(nbytes / (stream * 1e6), flops / (rate * 1e6)) for stream in limits.stream_samples_gbps]
+        bound_ms = statistics.median(bounds)
+        fraction = statistics.median(bound / (1e3 * t) for bound, t in zip(bounds, forward.samples, strict=True))
         rows.append({
             "forward": forward.name, "ms": ms, "bytes_moved": nbytes, "mb_moved": nbytes / 1e6, "flops": flops,
-            "gflop": flops / 1e9, "gbps": nbytes / ms / 1e6, "bound_ms": bound_ms, "fraction_of_bound": bound_ms / ms,
+            "gflop": flops / 1e9, "gbps": nbytes / ms / 1e6, "bound_ms": bound_ms, "fraction_of_bound": fraction,
             "vs_plain_step": ms / plain_ms[forward.context] if forward.context in plain_ms else None,
             "attention_ms": ms - weights_only_ms
             if forward.name.startswith(("plain", "verify")) and "transformers" not in forward.name else None,
@@ -288,9 +305,14 @@ def main() -> None:
     forwards = build_forwards(loaded, args)
     for forward in forwards:
         forward.run()  # warm-up: the first forward of each shape runs slower
+    stream = torch.ones(STREAM_BYTES // 4)
     for _ in range(args.repeats):
+        # The bandwidth this shared machine gives right now (it moves by 2x within minutes): each repeat's
+        # rows are held to the best of three sums taken just before them.
+        limits.stream_samples_gbps.append(STREAM_BYTES / min(_timed(stream.sum) for _ in range(3)) / 1e9)
         for forward in forwards:
             forward.samples.append(forward.run())
+    limits.stream_gbps = statistics.median(limits.stream_samples_gbps)
 
     header = (
         f"embedded SmolLM2-135M, fp32, {torch.get_num_threads()} threads, median of {args.repeats}, "
@@ -298,7 +320,8 @@ def main() -> None:
     )
     print(header)
     print(
-        f"machine: stream {limits.stream_gbps:.1f} GB/s, fp32 matrix-vector {limits.matvec_gbps:.1f} GB/s, "
+        f"machine: stream {limits.stream_gbps:.1f} GB/s (repeats {min(limits.stream_samples_gbps):.1f} to "
+        f"{max(limits.stream_samples_gbps):.1f}), fp32 matrix-vector {limits.matvec_gbps:.1f} GB/s, "
         f"fp32 GEMM {limits.fp32_gflops:.0f} GFLOP/s, bf16 GEMM {limits.bf16_gflops:.0f} GFLOP/s, "
         f"int8 GEMM {'n/a' if limits.int8_gops is None else f'{limits.int8_gops:.0f} GOP/s'}"
     )
