@@ -75,8 +75,10 @@ def _int8_copy(model: PreTrainedModel) -> PreTrainedModel:
     with warnings.catch_warnings():
         # Eager dynamic quantization is deprecated upstream but still ships, with fast fbgemm kernels.
         warnings.simplefilter("ignore")
+        # Unfused: dynamic quantization scales each weight by its largest value, and one scale over q, k
+        # and v measured layer 0's values 0.090 off the float model's (of their largest) against 0.034.
         quantized: PreTrainedModel = quantization.quantize_dynamic(
-            _fused_dense_copy(model), {torch.nn.Linear}, dtype=torch.qint8
+            dense_copy(model), {torch.nn.Linear}, dtype=torch.qint8
         )
     return quantized
 
@@ -102,9 +104,9 @@ def _int4_copy(model: PreTrainedModel) -> PreTrainedModel:
 
 def _fused_dense_copy(model: PreTrainedModel) -> PreTrainedModel:
     """A float copy with plain `torch.nn.Linear` layers, each layer's q/k/v and gate/up projections fused
-    where kvlab's lean forward runs (`kvlab.models.decoder_forward`): quantized next, a draft step
-    then reads each fused weight in one product (measured on SmolLM2 with int4 weights: 8.8 ms a step
-    against 10.1 unfused)."""
+    where kvlab's lean forward runs (`kvlab.models.decoder_forward`): quantized to int4 next (scales per
+    row and group of 64 inputs, so fusing changes no code), a draft step then reads each fused weight in
+    one product (measured on SmolLM2: 8.8 ms a step against 10.1 unfused)."""
     duplicate: PreTrainedModel = dense_copy(model)  # type: ignore[assignment]
     fuse_projections(duplicate)
     return duplicate
