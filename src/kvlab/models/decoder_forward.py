@@ -98,9 +98,9 @@ def causal_lm_forward(
     cos, sin = inner.rotary_emb(hidden, position_ids)
     rotary = (cos.unsqueeze(1), sin.unsqueeze(1))  # [B, 1, q, D]: broadcast over heads
     for layer in inner.layers[: model.config.num_hidden_layers]:
-        hidden = hidden + _attention(layer.self_attn, layer.input_layernorm(hidden), rotary, step)
-        hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden))
-    hidden = inner.norm(hidden)
+        hidden = hidden + _attention(layer.self_attn, _rms_norm(layer.input_layernorm, hidden), rotary, step)
+        hidden = hidden + _mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, hidden))
+    hidden = _rms_norm(inner.norm, hidden)
     kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     return model.lm_head(hidden[:, kept, :])  # type: ignore[operator]
 
@@ -111,23 +111,42 @@ def _attention(
     """One layer's self-attention as the Llama family's forward computes it, attention itself by `step`."""
     input_shape = hidden.shape[:-1]
     head_shape = (*input_shape, -1, attention.head_dim)
-    fused = getattr(attention, "qkv_proj", None)
-    if fused is None:
-        queries, keys, values = attention.q_proj(hidden), attention.k_proj(hidden), attention.v_proj(hidden)
-    else:
-        sizes = [attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features]
-        queries, keys, values = fused(hidden).split(sizes, dim=-1)
-    queries, keys = queries.view(head_shape), keys.view(head_shape)
-    values = values.view(head_shape).transpose(1, 2)
-    q_norm = getattr(attention, "q_norm", None)
-    if q_norm is not None:  # Qwen3: RMS norm over each head before rotary
-        queries, keys = q_norm(queries), attention.k_norm(keys)
     cos, sin = rotary
-    queries, keys = queries.transpose(1, 2), keys.transpose(1, 2)
-    queries = queries * cos + _rotate_half(queries) * sin
-    keys = keys * cos + _rotate_half(keys) * sin
+    fused = getattr(attention, "qkv_proj", None)
+    q_norm = getattr(attention, "q_norm", None)
+    if fused is not None and q_norm is None:
+        # Queries and keys side by side in the fused output: one rotary pass over both (the same
+        # elementwise products, so the same bits as two).
+        num_q, num_k = attention.q_proj.out_features, attention.k_proj.out_features
+        projected = fused(hidden)
+        both = projected[..., : num_q + num_k].view(head_shape).transpose(1, 2)
+        both = both * cos + _rotate_half(both) * sin
+        queries, keys = both.split([num_q // attention.head_dim, num_k // attention.head_dim], dim=1)
+        values = projected[..., num_q + num_k :].view(head_shape).transpose(1, 2)
+    else:
+        if fused is None:
+            queries, keys, values = attention.q_proj(hidden), attention.k_proj(hidden), attention.v_proj(hidden)
+        else:
+            sizes = [attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features]
+            queries, keys, values = fused(hidden).split(sizes, dim=-1)
+        queries, keys = queries.view(head_shape), keys.view(head_shape)
+        values = values.view(head_shape).transpose(1, 2)
+        if q_norm is not None:  # Qwen3: RMS norm over each head before rotary
+            queries, keys = q_norm(queries), attention.k_norm(keys)
+        queries, keys = queries.transpose(1, 2), keys.transpose(1, 2)
+        queries = queries * cos + _rotate_half(queries) * sin
+        keys = keys * cos + _rotate_half(keys) * sin
     output = step.attend(attention.layer_idx, queries, keys, values, attention.scaling)  # [B, H, q, D]
     return attention.o_proj(output.transpose(1, 2).reshape(*input_shape, -1).contiguous())
+
+
+def _rms_norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The family's RMSNorm module's forward, written out (its casts to float32 and back are no-ops on
+    float32 models and are skipped there; the arithmetic is the module's, so are the bits)."""
+    if hidden.dtype != torch.float32:
+        return norm(hidden)  # type: ignore[no-any-return]
+    scaled = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * scaled  # type: ignore[no-any-return]
 
 
 def _mlp(mlp: Any, hidden: torch.Tensor) -> torch.Tensor:
