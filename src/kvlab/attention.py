@@ -303,9 +303,21 @@ def warm_up_split_kv(kv_heads: int, group: int, head_dim: int) -> bool:
     """Compile `split_kv_decode` for a model's geometry now rather than at its first long cache (about 2 s
     with inductor's disk cache warm, 10 s cold), so a benchmark's first timed step or a server's first
     long request does not pay for it; returns whether the compiled path is ready."""
-    folded = torch.zeros(1, kv_heads, group, head_dim)
-    keys = torch.zeros(1, kv_heads, SPLIT_KV_MIN_KEYS + 1, head_dim)
-    return _SPLIT_KV.attend(folded, keys, keys, head_dim**-0.5) is not None
+    # A cache's keys are a view of a longer buffer, with strides its length does not give. Views of two
+    # buffers of different capacities make the compiler generalize the strides here: a graph compiled
+    # for a contiguous tensor alone was compiled again at the first real call (0.6 s with the disk cache
+    # warm, inside the first long request's decoding).
+    # Keys and values are separate tensors too (one tensor for both was compiled for that aliasing),
+    # allocated as a cache's are (outside inference mode), the queries inside it as a forward's are, and
+    # the call runs in inference mode as kvlab's forwards do: grad mode and a tensor's dispatch keys are
+    # part of what a graph is compiled for.
+    ready = True
+    for capacity in (2 * SPLIT_KV_MIN_KEYS, 3 * SPLIT_KV_MIN_KEYS):
+        keys, values = (torch.zeros(1, kv_heads, capacity, head_dim)[:, :, : SPLIT_KV_MIN_KEYS + 1] for _ in range(2))
+        with torch.inference_mode():
+            folded = torch.zeros(1, kv_heads, group, head_dim)
+            ready = ready and _SPLIT_KV.attend(folded, keys, values, head_dim**-0.5) is not None
+    return ready
 
 
 # Up to this many queries per row `attend_newest` materializes the scores (H * q * T floats). Measured

@@ -155,3 +155,37 @@ def test_attend_newest_takes_sdpa_once_compiling_fails(monkeypatch: pytest.Monke
 
 def test_warming_up_compiles_the_split_path_before_the_first_long_cache() -> None:
     assert warm_up_split_kv(kv_heads=3, group=3, head_dim=64), "the compiled split-KV path is not ready"
+
+
+_FIRST_LONG_STEP = """
+import torch
+from torch._dynamo.utils import counters
+from kvlab.attention import warm_up_split_kv
+from kvlab.cache import KVCache, Segment, forward, run_packed
+from tests.helpers import tiny_llama
+
+loaded = tiny_llama(num_kv_heads=2)
+architecture = loaded.architecture
+assert warm_up_split_kv(architecture.num_kv_heads, architecture.num_kv_groups, architecture.head_dim)
+graphs = counters["stats"]["unique_graphs"]
+cache = KVCache.allocate(architecture, 1, 1200, torch.float32, "cpu", None)  # capacity past the keys
+forward(loaded.model, cache, torch.randint(3, 90, (1, 900)))
+run_packed(loaded.model, [Segment(cache, 1)], [[7]], [0])  # the engine's decode step: the compiled split path
+print(graphs, counters["stats"]["unique_graphs"])
+"""
+
+
+def test_after_warming_up_the_first_long_decode_step_compiles_nothing() -> None:
+    # A graph compiled for other strides, grad mode or dispatch keys than a forward's was compiled again at
+    # the first long request's first decode step (0.6 s or more, inside its timed decoding).
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", _FIRST_LONG_STEP], capture_output=True, text=True, cwd=root,
+                            timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    before, after = result.stdout.split()[-2:]
+    assert int(before) >= 1, "warming up compiled nothing"
+    assert after == before, "the first long decode step compiled the split path again"
