@@ -5,18 +5,19 @@ and transformers' forward adds its own per-call work to each layer (argument dec
 plumbing, an attention-interface lookup, a causal mask kvlab's attention never reads). For the
 families whose decoder layer is Llama's (Llama, Mistral, Qwen2, Qwen3: pre-norm blocks, q/k/v and
 gate/up/down projections, rotary on every head, QK-norm per head in Qwen3), `causal_lm_forward`
-runs the same modules in the same order without that plumbing: the projections, norms, rotary
-embedding and MLP are the model's own modules and functions, called with the same arguments, so the
-logits are bit-identical to transformers' forward through kvlab's attention (the tests hold both paths
-to that on every family of the matrix). Every other family, or a model whose layers were replaced,
-takes transformers' forward.
+computes what transformers' forward computes, in the same order, without that plumbing: the model's
+own projections, MLP and rotary embedding, its RMS norms written out (the module's arithmetic), and
+queries and keys rotated in one pass where their projections are fused (the same elementwise
+products). The logits are bit-identical to transformers' forward through kvlab's attention (the tests
+hold both paths to that on every family that takes this one). Every other family, or a model whose
+layers were replaced, takes transformers' forward.
 
 Where the linear layers are oneDNN-packed (`kvlab.models.packed_linear`), `fuse_projections` packs each
 layer's q, k and v projections as one weight and its gate and up projections as another: a decode step
-then reads its weights in 4 products a layer instead of 7 (measured on SmolLM2 at batch 1: 211 products
-at 32.8 GB/s, 121 at 37.9). oneDNN computes each output feature with the same sums either way (the
-tests compare the fused lean forward with transformers' unfused one bit for bit).
-"""
+then reads its weights in 4 products a layer instead of 7 (SmolLM2's shapes with random weights, one
+row, 2 threads: 211 products read 32.8 GB/s, 121 fused ones 37.9). oneDNN computes each output feature
+with the same sums either way (the tests compare the fused lean forward with transformers' unfused one
+bit for bit)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def runs_lean(model: torch.nn.Module) -> bool:
 
 def use_transformers_forward(model: torch.nn.Module, transformers_forward: bool = True) -> None:
     """Make `causal_lm_forward` run transformers' own forward for `model` (False: back to the lean one
-    where the model's layout allows it), to compare the two."""
+    where the model's layout allows it), to compare the two. On fused projections transformers' forward
+    computes each fused product once per part: compare it on a model packed without fusing."""
     model._kvlab_runs_lean = False if transformers_forward else _lean_layout(model)  # type: ignore[assignment]
 
 

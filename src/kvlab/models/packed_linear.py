@@ -241,7 +241,7 @@ def unpack_linear_layers(model: torch.nn.Module) -> int:
     fused = {(id(part.owner), part.fused_name): part.owner for _, _, part in parts}
     for parent, name, part in parts:
         setattr(parent, name, part.to_linear())
-    for owner, fused_name in ((owner, key[1]) for key, owner in fused.items()):
+    for (_, fused_name), owner in fused.items():
         delattr(owner, fused_name)
     packed = _children(model, PackedLinear)
     for parent, name, child in packed:
