@@ -3,14 +3,13 @@
 The ground floor under both `kvlab.models` (the attention hook's soft-capped path) and `kvlab.cache`
 (every cache layer attends through it), so neither imports the other for it.
 
-Stored keys carry their true sequence positions, so `attend` serves a full cache (position ==
-index), a batch whose rows hold different lengths, a sliding window, and an evicted cache whose
-positions have gaps. When the mask is trivial the call matches transformers' own SDPA call exactly
-(same kernel, same arguments), which is what makes kvlab's logits bit-identical to the plain model.
-`attend_newest` is the faster path for one sequence whose queries are its newest keys (the engine's
-packed forwards: plain steps, drafts and verifies); one query over a long float32 cache on the CPU
-takes `split_kv_decode`, compiled by inductor. `*_reference` functions are what fast paths are tested
-against.
+Stored keys carry their true sequence positions, so `attend` serves a full cache (position == index), a
+batch whose rows hold different lengths, a sliding window, and an evicted cache whose positions have gaps.
+When the mask is trivial the call matches transformers' own SDPA call exactly (same kernel, same
+arguments), which is what makes kvlab's logits bit-identical to the plain model. `attend_newest` is the
+faster path for one sequence whose queries are its newest keys (the engine's packed forwards: plain steps,
+drafts and verifies); one query over a long float32 cache on the CPU takes `split_kv_decode`, compiled by
+inductor. `*_reference` functions are what fast paths are tested against.
 """
 
 from __future__ import annotations
@@ -268,10 +267,9 @@ def split_kv_decode(folded: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 
 class _CompiledSplitKV:
-    """`split_kv_decode` compiled once per process (only the key count dynamic, so no length recompiles),
-    called under a lock (compiling is not thread-safe, and engines may run on several threads). Where
-    compiling fails (no C++ compiler, a torch without inductor) it says so once and every call returns
-    None, so the caller takes the eager path."""
+    """`split_kv_decode` compiled once per process (only the key count dynamic: no length recompiles), called
+    under a lock (compiling is not thread-safe; engines may run on several threads). Where compiling fails
+    (no C++ compiler, no inductor) it says so once and returns None from then on: the caller goes eager."""
 
     def __init__(self) -> None:
         self._compiled: Callable[..., torch.Tensor] | None = None
@@ -300,17 +298,11 @@ _SPLIT_KV = _CompiledSplitKV()
 
 
 def warm_up_split_kv(kv_heads: int, group: int, head_dim: int) -> bool:
-    """Compile `split_kv_decode` for a model's geometry now rather than at its first long cache (about 2 s
-    with inductor's disk cache warm, 10 s cold), so a benchmark's first timed step or a server's first
-    long request does not pay for it; returns whether the compiled path is ready."""
-    # A cache's keys are a view of a longer buffer, with strides its length does not give. Views of two
-    # buffers of different capacities make the compiler generalize the strides here: a graph compiled
-    # for a contiguous tensor alone was compiled again at the first real call (0.6 s with the disk cache
-    # warm, inside the first long request's decoding).
-    # Keys and values are separate tensors too (one tensor for both was compiled for that aliasing),
-    # allocated as a cache's are (outside inference mode), the queries inside it as a forward's are, and
-    # the call runs in inference mode as kvlab's forwards do: grad mode and a tensor's dispatch keys are
-    # part of what a graph is compiled for.
+    """Compile `split_kv_decode` for a model's geometry now (about 2 s with inductor's disk cache warm, 10 s
+    cold), so no timed step or first long request pays for it; returns whether the path is ready. The call
+    looks like a forward's (separate views of longer key and value buffers made outside inference mode,
+    queries made inside it): a graph compiled for other strides, aliasing, dispatch keys or grad mode was
+    compiled again inside the first long request."""
     ready = True
     for capacity in (2 * SPLIT_KV_MIN_KEYS, 3 * SPLIT_KV_MIN_KEYS):
         keys, values = (torch.zeros(1, kv_heads, capacity, head_dim)[:, :, : SPLIT_KV_MIN_KEYS + 1] for _ in range(2))
