@@ -19,7 +19,7 @@ from kvlab.integrations.vllm.sources import (
     plan_rows,
 )
 from kvlab.lossless.cost_model import SegmentShape
-from kvlab.lossless.planner import Acceptance
+from kvlab.lossless.lengths import Acceptance
 from kvlab.lossless.prompt_lookup import LookupMatch
 
 

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 from kvlab.generation.feed import RoundHost
 from kvlab.lossless.cost_model import ForwardCostModel, SegmentShape
 from kvlab.lossless.drafter import Drafter, Offer, RoundState
-from kvlab.lossless.lengths import LENGTHS_PAST_THE_PEAK, choose_length
+from kvlab.lossless.lengths import LENGTHS_PAST_THE_PEAK, Acceptance, choose_length
 
 logger = logging.getLogger(__name__)
 
@@ -74,67 +74,6 @@ class PlannedState(RoundState, Protocol):
     def settings(self) -> RoundSettings: ...
 
     def full_shape(self, num_tokens: int) -> SegmentShape: ...
-
-
-@dataclasses.dataclass(slots=True)
-class Acceptance:
-    """One source's acceptance per draft position, for one sequence.
-
-    Attributes:
-        prior: Acceptance of a draft given the ones before it were, before any evidence.
-        prior_weight: How many drafts' worth of evidence the prior counts for.
-        reached: reached[i]: rounds whose draft i was drafted with drafts 0..i-1 all accepted (aged).
-        accepted: accepted[i]: of those, rounds whose draft i was accepted (aged).
-        aging: Evidence kept per round this source is not used (uncertainty grows while it is aside).
-        shrinkage: How many drafts' worth a position's estimate leans on the pooled one.
-    """
-
-    prior: float
-    prior_weight: float = 2.0
-    reached: list[float] = dataclasses.field(default_factory=list)
-    accepted: list[float] = dataclasses.field(default_factory=list)
-    aging: float = 0.95
-    shrinkage: float = 2.0
-
-    def pooled(self) -> tuple[float, float]:
-        """(mean, evidence): acceptance over every position, with the prior counted in."""
-        evidence = sum(self.reached) + self.prior_weight
-        return (sum(self.accepted) + self.prior * self.prior_weight) / evidence, evidence
-
-    def expected_tokens(self, max_tokens: int, optimism: float) -> list[float]:
-        """[max_tokens + 1] tokens a round of k drafts emits on average, for k = 0..max_tokens (the
-        verify's own token included), with each a_i raised by `optimism` standard deviations."""
-        mean, evidence = self.pooled()
-        expected, survive = [1.0], 1.0
-        for position in range(max_tokens):
-            reached = self.reached[position] if position < len(self.reached) else 0.0
-            accepted = self.accepted[position] if position < len(self.accepted) else 0.0
-            weight = reached + self.shrinkage
-            estimate = (accepted + self.shrinkage * mean) / weight
-            spread = math.sqrt(estimate * (1.0 - estimate) / (weight + 1.0))
-            survive *= min(estimate + optimism * spread, 0.999)
-            expected.append(expected[-1] + survive)
-        return expected
-
-    def update(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        """Fold in one round that drafted `num_draft_tokens` of this source."""
-        reached = min(num_accepted_tokens + 1, num_draft_tokens)
-        while len(self.reached) < reached:
-            self.reached.append(0.0)
-            self.accepted.append(0.0)
-        for position in range(reached):
-            self.reached[position] += 1.0
-            self.accepted[position] += position < num_accepted_tokens
-        for position in range(reached, len(self.reached)):
-            # Positions this round did not reach age, so one early rejection there does not hold the
-            # round lengths down for good: they return towards the pooled estimate.
-            self.reached[position] *= self.aging
-            self.accepted[position] *= self.aging
-
-    def age(self) -> None:
-        """A round that did not use this source: its evidence counts a little less."""
-        self.reached = [count * self.aging for count in self.reached]
-        self.accepted = [count * self.aging for count in self.accepted]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -28,7 +28,8 @@ from kvlab.lossless.compressed_cache import CompressedCacheDrafter
 from kvlab.lossless.config import LosslessConfig
 from kvlab.lossless.cost_model import SegmentShape
 from kvlab.lossless.drafter import Drafter, Proposal
-from kvlab.lossless.planner import Acceptance, RoundPlan, RoundPlanner
+from kvlab.lossless.lengths import Acceptance
+from kvlab.lossless.planner import RoundPlan, RoundPlanner
 from kvlab.lossless.remote_prefix import ExactPrefixInTransit
 from kvlab.lossless.stats import LosslessStats
 

@@ -21,7 +21,8 @@ from kvlab.lossless import LosslessConfig, PromptLookup
 from kvlab.lossless import round as round_module
 from kvlab.lossless.cost_model import ForwardCostModel, LinearFit, SegmentShape, features
 from kvlab.lossless.drafter import Drafter, Offer, Proposal
-from kvlab.lossless.planner import Acceptance, RoundPlanner
+from kvlab.lossless.lengths import Acceptance, choose_length
+from kvlab.lossless.planner import RoundPlanner
 from kvlab.lossless.round import LosslessState
 from tests.helpers import tiny_llama
 from tests.unit.lossless.scripted import ScriptedCosts
@@ -80,6 +81,27 @@ def test_expected_tokens_follow_acceptance_per_position() -> None:
     for _ in range(60):
         never.age()
     assert never.expected_tokens(2, optimism=1.0)[2] > before + 0.2
+
+
+def test_rounds_are_credited_only_up_to_twice_the_positions_with_evidence() -> None:
+    # Five drafts of five accepted: the pooled estimate is high, but positions no round reached are not
+    # credited past twice the frontier, however optimistic (a round of 64 was probed for 63 tokens).
+    record = Acceptance(0.9)
+    assert record.credited() == record.min_credited
+    record.update(5, 5)
+    assert record.credited() == 10
+    hoped = record.expected_tokens(64, optimism=1.0)
+    assert hoped[10] > 9.0 and hoped[64] == hoped[10]
+    # A choice over every length then stops at the credited positions.
+    choice = choose_length(record, range(1, 65), lambda k: 0.01 * k + 0.05, plain_s=0.05, optimism=1.0)
+    assert choice.num_draft_tokens <= 10
+    # The frontier recedes as positions go unreached (aged below half a round), and grows by doubling.
+    for _ in range(20):
+        record.update(2, 0)
+    assert record.credited() < 10
+    for _ in range(3):
+        record.update(record.credited(), record.credited())
+    assert record.credited() >= 16
 
 
 @dataclasses.dataclass(slots=True)

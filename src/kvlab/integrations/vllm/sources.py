@@ -20,8 +20,7 @@ import dataclasses
 
 from kvlab.lossless.compressed_cache import CompressedCacheDrafter
 from kvlab.lossless.cost_model import ForwardCostModel, SegmentShape
-from kvlab.lossless.lengths import choose_length
-from kvlab.lossless.planner import Acceptance
+from kvlab.lossless.lengths import Acceptance, choose_length
 from kvlab.lossless.prompt_lookup import LookupMatch, PromptLookup
 
 LOOKUP, CACHE = "prompt_lookup", "compressed_cache"
