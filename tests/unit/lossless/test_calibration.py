@@ -4,6 +4,7 @@ later run on the same machine starts from the kept calibration without running i
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,14 @@ def test_a_cache_twice_as_long_as_any_calibrated_is_calibrated_again() -> None:
     assert not costs.calibration_covers("int8", 10)
     costs.observe_tick([("same", [SegmentShape(1, 8000)], 0.03)])  # a live forward is not a calibration
     assert not costs.calibration_covers("same", 300)
+
+
+def test_a_batch_calibration_keeps_the_faster_of_two_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A shared machine only ever adds time: one slow batch step would price plain ticks high for good.
+    timings = iter([0.30, 0.25, 0.02, 0.03])
+    monkeypatch.setattr(calibration_module, "_timed_packed", lambda model, caches, token_id: (
+        next(timings), [SegmentShape(1, 1000) for _ in caches]))
+    cache = types.SimpleNamespace(layers=[object()])
+    costs = ForwardCostModel(warm_up=0)
+    calibration_module.calibrate_batch(costs, {"same": torch.nn.Identity()}, [(cache, cache)] * 2, 5)  # type: ignore[list-item]
+    assert [row[-1] for row in costs.calibration["same"]] == [0.25, 0.02]
