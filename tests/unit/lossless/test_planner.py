@@ -102,6 +102,12 @@ def test_rounds_are_credited_only_up_to_twice_the_positions_with_evidence() -> N
     for _ in range(3):
         record.update(record.credited(), record.credited())
     assert record.credited() >= 16
+    # A sequence joining a run is credited at first as far as the run's rounds are.
+    planner = RoundPlanner(ForwardCostModel())
+    offer = Offer(FreeDrafter({}, 0), 64, weights="bf16", num_cached=800)
+    planner.run_acceptance[offer.acceptance_key] = record
+    state = FakeState(LosslessConfig(create_compressor("snapkv", compression_ratio=0.9), "auto"), [offer.drafter], {})
+    assert planner.acceptance_of(state, offer).credited() == record.credited()  # type: ignore[arg-type]
 
 
 @dataclasses.dataclass(slots=True)
