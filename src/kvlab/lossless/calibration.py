@@ -11,10 +11,9 @@ calibrated on the draft cache, which is in fast memory.
 
 A batch is calibrated too, once per new largest batch (`calibrate_batch`): one packed plain step over
 every running sequence's full cache and one packed draft step over their draft caches (each the faster
-of two, as every calibration forward). Without it the
-model would learn a large batch's costs only from the ticks the planner chose, and a batch that drafts
-never shows what its plain ticks cost (at 8K and batch 8, a plain tick costs about half of what single
-sequences' costs add up to).
+of two, as every calibration forward). Without it the model would learn a large batch's costs only from
+the ticks the planner chose, and a batch that drafts never shows what its plain ticks cost (at 8K and
+batch 8, a plain tick costs about half of what single sequences' costs add up to).
 
 Both are kept between runs (`CalibrationStore`: one file per model, dtype, machine, torch version and
 thread count under the kvlab cache directory), so a later run on the same machine starts fitted and
