@@ -70,10 +70,8 @@ def calibrate(
         else:
             runs = [(draft, 1)] * (DRAFT_STEPS + 1)
         for cache, num_tokens in runs:
-            # The faster of two: a shared machine only ever adds time, and one slow calibration forward
-            # would hold the planner to a wrong cost until enough forwards of that shape outweigh it.
-            (seconds, shape), (again, _) = (_timed_forward(model, cache, token_id, num_tokens) for _ in range(2))
-            costs.observe_tick([(weights, [shape], min(seconds, again))], calibration=True)
+            seconds, shapes = _fastest_packed(model, [cache], token_id, num_tokens)
+            costs.observe_tick([(weights, shapes, seconds)], calibration=True)
     return calibrated
 
 
@@ -91,20 +89,16 @@ def calibrate_batch(costs: ForwardCostModel, models: dict[str, torch.nn.Module],
         costs.observe_tick([(weights, shapes, seconds)], calibration=True)
 
 
-def _fastest_packed(model: torch.nn.Module, caches: list[KVCache], token_id: int) -> tuple[float, list[SegmentShape]]:
-    """The faster of two timed packed steps, as for single sequences: a batch's plain step is the shape a
-    drafting run's own forwards rarely show again, so one slow calibration would price plain steps high for
-    the whole run and every later one (a kept plain step of 8 rows at 8K measured 291 ms; that run's plain
-    ticks 250 ms)."""
-    (seconds, shapes), (again, _) = (_timed_packed(model, caches, token_id) for _ in range(2))
+def _fastest_packed(
+    model: torch.nn.Module, caches: list[KVCache], token_id: int, num_tokens: int = 1
+) -> tuple[float, list[SegmentShape]]:
+    """The faster of two timed packed forwards (`_timed_packed`). A shared machine only ever adds time, and one
+    slow calibration forward would hold the planner to a wrong cost until enough forwards of that shape
+    outweigh it; a batch's plain step is a shape a drafting run's own forwards rarely show again, so there it
+    would price plain steps high for the whole run and every later one (a kept plain step of 8 rows at 8K
+    measured 291 ms; that run's plain ticks 250 ms)."""
+    (seconds, shapes), (again, _) = (_timed_packed(model, caches, token_id, num_tokens) for _ in range(2))
     return min(seconds, again), shapes
-
-
-def _timed_forward(
-    model: torch.nn.Module, cache: KVCache, token_id: int, num_tokens: int
-) -> tuple[float, SegmentShape]:
-    seconds, shapes = _timed_packed(model, [cache], token_id, num_tokens)
-    return seconds, shapes[0]
 
 
 def _timed_packed(

@@ -118,7 +118,7 @@ def test_a_cache_twice_as_long_as_any_calibrated_is_calibrated_again() -> None:
 def test_a_batch_calibration_keeps_the_faster_of_two_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     # A shared machine only ever adds time: one slow batch step would price plain ticks high for good.
     timings = iter([0.30, 0.25, 0.02, 0.03])
-    monkeypatch.setattr(calibration_module, "_timed_packed", lambda model, caches, token_id: (
+    monkeypatch.setattr(calibration_module, "_timed_packed", lambda model, caches, token_id, num_tokens: (
         next(timings), [SegmentShape(1, 1000) for _ in caches]))
     cache = types.SimpleNamespace(layers=[object()])
     costs = ForwardCostModel(warm_up=0)
