@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from kvlab.attention import warm_up_split_kv
+from kvlab.attention_kernels import warm_up_split_kv
 from kvlab.cache import KVCache
 from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids

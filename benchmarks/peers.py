@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from kvlab.attention import warm_up_split_kv
+from kvlab.attention_kernels import warm_up_split_kv
 from kvlab.bench.tasks import tasks
 from kvlab.bench.tasks.base import read_json, truncate_to_tokens
 from kvlab.compress import create_compressor

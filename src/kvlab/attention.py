@@ -8,21 +8,18 @@ batch whose rows hold different lengths, a sliding window, and an evicted cache 
 When the mask is trivial the call matches transformers' own SDPA call exactly (same kernel, same
 arguments), which is what makes kvlab's logits bit-identical to the plain model. `attend_newest` is the
 faster path for one sequence whose queries are its newest keys (the engine's packed forwards: plain steps,
-drafts and verifies); one query over a long float32 cache on the CPU takes `split_kv_decode`, compiled by
-inductor. `*_reference` functions are what fast paths are tested against.
+drafts and verifies); over a long float32 cache on the CPU it takes the kernels of
+`kvlab.attention_kernels`. `*_reference` functions are what fast paths are tested against.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-import threading
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+from kvlab import attention_kernels as kernels
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -172,12 +169,13 @@ def attend_newest(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
     The fast path for decoding and verifying one sequence. The query heads of each GQA group are
     folded into query rows of their KV head ([1, H_kv, G*q, D], no copy of the keys). One query
-    sees every key: one unmasked call. A few queries (a verify, float32) take `_folded_scores`: their
-    scores over all T keys in one matrix product per KV head, the causal block masked in place.
-    Longer runs split: the first T - q keys, which every query sees, unmasked through the flash
-    kernel, the q x q causal block apart, the two merged exactly by their log-sum-exp. Equal in argmax
-    and close in value to `attend_newest_reference` (the reduction order differs, so the last bits
-    may too).
+    sees every key: one unmasked call (on the CPU over a long float32 cache, `split_kv_decode`). A few
+    queries (a verify, float32) take `folded_scores`: their scores over all T keys in one matrix product
+    per KV head, the causal block masked in place; on the CPU over a long cache, `verify_in_pieces`,
+    which spreads the keys evenly over the threads (both in `kvlab.attention_kernels`). Longer runs
+    split: the first T - q keys, which every query sees, unmasked through the flash kernel, the q x q
+    causal block apart, the two merged exactly by their log-sum-exp. Equal in argmax and close in value
+    to `attend_newest_reference` (the reduction order differs, so the last bits may too).
 
     Args:
         queries: [1, H, q, D], rotary applied.
@@ -193,15 +191,23 @@ def attend_newest(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     group = heads // kv_heads
     num_prefix = num_keys - num_queries
     folded = queries.reshape(1, kv_heads, group * num_queries, dim)
+    cpu_float32 = keys.device.type == "cpu" and keys.dtype == torch.float32
     if num_queries == 1:
-        if num_keys >= SPLIT_KV_MIN_KEYS and keys.device.type == "cpu" and keys.dtype == torch.float32:
-            output = _SPLIT_KV.attend(folded, keys, values, scaling)
+        if num_keys >= kernels.SPLIT_KV_MIN_KEYS and cpu_float32:
+            output = kernels.SPLIT_KV.attend(folded, keys, values, scaling)
             if output is not None:
                 return output.reshape(1, heads, 1, dim)
         # Every key is visible: one unmasked call, which needs no log-sum-exp.
         return F.scaled_dot_product_attention(folded, keys, values, scale=scaling).reshape(1, heads, 1, dim)
+    pieces = kernels.key_pieces(kv_heads)
+    long_enough = num_prefix >= kernels.PIECES_MIN_KEYS and num_queries >= kernels.PIECES_MIN_QUERIES
+    if cpu_float32 and pieces > 1 and long_enough:
+        return kernels.verify_in_pieces(folded, keys, values, scaling, num_queries, pieces).reshape(
+            1, heads, num_queries, dim
+        )
     if num_queries <= FOLDED_SCORES_MAX_QUERIES and keys.dtype == torch.float32:
-        return _folded_scores(folded, keys, values, scaling, num_queries).reshape(1, heads, num_queries, dim)
+        output, _ = kernels.folded_scores(folded, keys, values, scaling, num_queries)
+        return output.reshape(1, heads, num_queries, dim)
     block_keys, block_values = keys[:, :, num_prefix:], values[:, :, num_prefix:]
     if group > 1:
         block_keys = block_keys.repeat_interleave(group, dim=1)
@@ -217,129 +223,9 @@ def attend_newest(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return merge_attention(prefix, prefix_lse, block, block_lse).to(queries.dtype)
 
 
-# Keys per chunk of `split_kv_decode`, and the fewest keys for which the CPU takes it: measured on 2
-# cores of an EPYC, 30 layers at 8064 keys, chunks of 16 read the KV at 25 GB/s against 13.5 for the
-# folded SDPA call (the flash kernel parallelizes over the 3 KV heads only); below about 600 keys the
-# compiled call's fixed cost wins.
-SPLIT_KV_CHUNK = 16
-SPLIT_KV_MIN_KEYS = 768
-
-
-def split_kv_decode(folded: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Attention of one token's GQA-folded queries over every stored key, split along the keys ("flash
-    decoding"), in torch ops written for inductor's CPU code generation.
-
-    The keys are viewed as chunks of `SPLIT_KV_CHUNK` (a tail of 2 to `SPLIT_KV_CHUNK + 1` keys apart,
-    so that one compiled graph serves every length); each chunk's scores, maximum, exponentials, sum and
-    weighted values are independent (the chunks spread over the threads, keys innermost so the
-    reductions vectorize), and a log-sum-exp merge combines them. Keys and values are each read once.
-
-    Args:
-        folded: [1, H_kv, G, D] the query heads of each KV head's group, rotary applied.
-        keys, values: [1, H_kv, T, D], T >= SPLIT_KV_CHUNK + 2 (one chunk and a tail of two).
-
-    Returns:
-        [1, H_kv, G, D] float32.
-    """
-    kv_heads, rows, dim = folded.shape[1], folded.shape[2], folded.shape[3]
-    num_keys = keys.shape[2]
-    queries = folded.reshape(kv_heads, rows, dim) * scaling
-    num_chunks = (num_keys - 2) // SPLIT_KV_CHUNK
-    split = num_chunks * SPLIT_KV_CHUNK
-    chunk_keys = keys[0, :, :split].unflatten(1, (num_chunks, SPLIT_KV_CHUNK))  # [H_kv, n, L, D]
-    chunk_values = values[0, :, :split].unflatten(1, (num_chunks, SPLIT_KV_CHUNK))
-    scores = (chunk_keys[:, :, None] * queries[:, None, :, None]).sum(-1)  # [H_kv, n, G, L]
-    top = scores.amax(-1)  # [H_kv, n, G]
-    weights = (scores - top[..., None]).exp()
-    mass = weights.sum(-1)
-    outputs = (weights[..., None] * chunk_values[:, :, None]).sum(3)  # [H_kv, n, G, D]
-    tail_keys, tail_values = keys[0, :, split:], values[0, :, split:]
-    tail_scores = (tail_keys[:, None] * queries[:, :, None]).sum(-1)  # [H_kv, G, tail]
-    tail_top = tail_scores.amax(-1)
-    tail_weights = (tail_scores - tail_top[..., None]).exp()
-    tail_mass = tail_weights.sum(-1)
-    tail_output = (tail_weights[..., None] * tail_values[:, None]).sum(2)  # [H_kv, G, D]
-    overall = torch.maximum(top.amax(1), tail_top)
-    scale, tail_scale = (top - overall[:, None]).exp(), (tail_top - overall).exp()
-    numerator = (outputs * scale[..., None]).sum(1) + tail_output * tail_scale[..., None]
-    denominator = (mass * scale).sum(1) + tail_mass * tail_scale
-    return (numerator / denominator[..., None]).reshape(1, kv_heads, rows, dim)
-
-
-class _CompiledSplitKV:
-    """`split_kv_decode` compiled once per process (only the key count dynamic: no length recompiles), called
-    under a lock (compiling is not thread-safe; engines may run on several threads). Where compiling fails
-    (no C++ compiler, no inductor) it says so once and returns None from then on: the caller goes eager."""
-
-    def __init__(self) -> None:
-        self._compiled: Callable[..., torch.Tensor] | None = None
-        self._failed = False
-        self._lock = threading.Lock()
-
-    def attend(
-        self, folded: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
-    ) -> torch.Tensor | None:
-        if self._failed:
-            return None
-        with self._lock:
-            try:
-                if self._compiled is None:
-                    self._compiled = torch.compile(split_kv_decode, dynamic=False)
-                torch._dynamo.mark_dynamic(keys, 2)
-                torch._dynamo.mark_dynamic(values, 2)
-                return self._compiled(folded, keys, values, scaling)
-            except Exception as error:  # any compiler failure: the eager path is always there
-                self._failed = True
-                logger.warning("split-KV decode attention could not be compiled (%s); decoding takes SDPA", error)
-                return None
-
-
-_SPLIT_KV = _CompiledSplitKV()
-
-
-def warm_up_split_kv(kv_heads: int, group: int, head_dim: int) -> bool:
-    """Compile `split_kv_decode` for a model's geometry now (about 2 s with inductor's disk cache warm, 10 s
-    cold), so no timed step or first long request pays for it; returns whether the path is ready. The call
-    looks like a forward's (separate views of longer key and value buffers made outside inference mode,
-    queries made inside it): a graph compiled for other strides, aliasing, dispatch keys or grad mode was
-    compiled again inside the first long request."""
-    ready = True
-    for capacity in (2 * SPLIT_KV_MIN_KEYS, 3 * SPLIT_KV_MIN_KEYS):
-        keys, values = (torch.zeros(1, kv_heads, capacity, head_dim)[:, :, : SPLIT_KV_MIN_KEYS + 1] for _ in range(2))
-        with torch.inference_mode():
-            folded = torch.zeros(1, kv_heads, group, head_dim)
-            ready = ready and _SPLIT_KV.attend(folded, keys, values, head_dim**-0.5) is not None
-    return ready
-
-
 # Up to this many queries per row `attend_newest` materializes the scores (H * q * T floats). Measured
 # at 8064 keys, 9 + 1 heads of 64, 2 threads: 9 queries take 3.0-3.4 ms against 3.8-4.6 ms split.
 FOLDED_SCORES_MAX_QUERIES = 64
-
-
-def _folded_scores(
-    folded: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, num_queries: int
-) -> torch.Tensor:
-    """Causal attention of GQA-folded queries [1, H_kv, G*q, D] as written-out float32 matrix products.
-
-    Two batched products over the KV heads, scores in one buffer, the q x q causal block masked by
-    adding -inf in place, the softmax's division moved after the values product (G*q x D divisions
-    instead of G*q x T). On 2 threads this beats the flash kernel's split calls, whose block-wise
-    parallel regions cost more than their arithmetic at this size.
-    """
-    kv_heads, rows, dim = folded.shape[1], folded.shape[2], folded.shape[3]
-    num_keys = keys.shape[2]
-    scores = torch.bmm((folded[0] * scaling), keys[0].transpose(1, 2))  # [H_kv, G*q, T]
-    scores[:, :, num_keys - num_queries :].add_(_future_mask(num_queries, rows // num_queries, folded.device))
-    scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
-    total = scores.sum(dim=-1, keepdim=True)
-    return (torch.bmm(scores, values[0]) / total).reshape(1, kv_heads, rows, dim)
-
-
-def _future_mask(num_queries: int, group: int, device: torch.device) -> torch.Tensor:
-    """[G*q, q] float32: -inf where query i (of each of the G folded heads) would see a later key."""
-    future = torch.full((num_queries, num_queries), float("-inf"), device=device).triu(1)
-    return future.repeat(group, 1)
 
 
 def attend_newest_reference(

@@ -7,6 +7,8 @@ import json
 import pytest
 import torch
 
+from kvlab import attention_kernels
+from kvlab.attention_kernels import PIECES_MIN_KEYS
 from kvlab.cli import main
 from kvlab.compress import create_compressor
 from kvlab.data import document_token_ids
@@ -114,10 +116,15 @@ def test_cli_lossless_json_reports_acceptance(embedded_model: LoadedModel, capsy
     assert lossless["stats"]["num_plain_rounds"] <= 1
 
 
-def test_the_fast_verify_path_matches_the_masked_reference_on_a_real_document(embedded_model: LoadedModel) -> None:
+# 1183 keys take the scores written out; past PIECES_MIN_KEYS the verify cuts the keys into pieces.
+@pytest.mark.parametrize("context", [1183, PIECES_MIN_KEYS + 100])
+def test_the_fast_verify_path_matches_the_masked_reference_on_a_real_document(
+    embedded_model: LoadedModel, context: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from tests.unit.test_attention import verify_logits_both_ways
 
-    document = document_token_ids(embedded_model.tokenizer, 1200)
-    fast, reference = verify_logits_both_ways(embedded_model, document[:1183], document[1183:1200])
+    monkeypatch.setattr(attention_kernels, "key_pieces", lambda kv_heads: 2)  # as on 2 threads, on any machine
+    document = document_token_ids(embedded_model.tokenizer, context + 17)
+    fast, reference = verify_logits_both_ways(embedded_model, document[:context], document[context:])
     torch.testing.assert_close(fast, reference, rtol=1e-4, atol=1e-4)
     assert torch.equal(fast.argmax(dim=-1), reference.argmax(dim=-1))

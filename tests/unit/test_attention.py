@@ -5,19 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab import attention
+from kvlab import attention_kernels
 from kvlab.attention import (
     FOLDED_SCORES_MAX_QUERIES,
-    SPLIT_KV_CHUNK,
-    SPLIT_KV_MIN_KEYS,
     attend_newest,
     attend_newest_reference,
     attention_with_lse,
     attention_with_lse_reference,
     merge_attention,
-    split_kv_decode,
-    warm_up_split_kv,
 )
+from kvlab.attention_kernels import SPLIT_KV_CHUNK, SPLIT_KV_MIN_KEYS, split_kv_decode, warm_up_split_kv
 
 # Float32 results of the split path differ from one masked kernel only in the reduction order.
 TOLERANCE = 1e-5
@@ -119,10 +116,51 @@ def test_split_kv_decode_matches_the_masked_reference(num_keys: int, heads: int,
     assert torch.equal(split.argmax(dim=-1), reference.argmax(dim=-1))
 
 
+# Pieces that leave no keys over and some, one query per folded row and many, more queries than 64.
+@pytest.mark.parametrize("pieces", [2, 3, 4])
+@pytest.mark.parametrize("num_queries", [3, 9, 80])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 1), (4, 4)])
+def test_verify_in_pieces_matches_the_masked_reference(
+    pieces: int, num_queries: int, heads: int, kv_heads: int
+) -> None:
+    generator = torch.Generator().manual_seed(pieces * 1000 + num_queries * 10 + heads)
+    for num_prefix in (12 * pieces, 12 * pieces + pieces - 1):
+        num_keys = num_prefix + num_queries
+        queries = torch.randn(1, heads, num_queries, 64, generator=generator)
+        keys, values = stored(kv_heads, num_keys, generator)
+        folded = queries.reshape(1, kv_heads, heads // kv_heads * num_queries, 64)
+        output = attention_kernels.verify_in_pieces(folded, keys, values, 0.125, num_queries, pieces)
+        output = output.reshape(1, heads, num_queries, 64)
+        reference = attend_newest_reference(queries, keys, values, 0.125)
+        torch.testing.assert_close(output, reference, rtol=TOLERANCE, atol=TOLERANCE)
+        assert torch.equal(output.argmax(dim=-1), reference.argmax(dim=-1))
+
+
+def test_a_verify_over_a_long_cache_takes_the_key_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    taken: list[int] = []
+    in_pieces = attention_kernels.verify_in_pieces
+
+    def spy(*args: object) -> torch.Tensor:
+        taken.append(args[-1])  # type: ignore[arg-type]
+        return in_pieces(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention_kernels, "verify_in_pieces", spy)
+    monkeypatch.setattr(attention_kernels, "key_pieces", lambda kv_heads: 2)
+    generator = torch.Generator().manual_seed(17)
+    num_queries = attention_kernels.PIECES_MIN_QUERIES
+    for num_keys in (attention_kernels.PIECES_MIN_KEYS - 1, attention_kernels.PIECES_MIN_KEYS + 1):
+        queries = torch.randn(1, 9, num_queries, 64, generator=generator)
+        keys, values = stored(3, num_keys + num_queries, generator)
+        output = attend_newest(queries, keys, values, 0.125)
+        reference = attend_newest_reference(queries, keys, values, 0.125)
+        torch.testing.assert_close(output, reference, rtol=TOLERANCE, atol=TOLERANCE)
+    assert taken == [2], "only the verify past PIECES_MIN_KEYS keys takes the pieces"
+
+
 def test_one_query_over_a_long_cache_takes_the_compiled_split_path_for_every_length() -> None:
     assert SPLIT_KV_CHUNK > 1
     generator = torch.Generator().manual_seed(11)
-    compiled = attention._CompiledSplitKV()
+    compiled = attention_kernels.CompiledSplitKV()
     # Lengths on both sides of a chunk boundary, from one buffer as a decoding cache grows.
     for num_keys in (SPLIT_KV_MIN_KEYS, SPLIT_KV_MIN_KEYS + 1, SPLIT_KV_MIN_KEYS + SPLIT_KV_CHUNK + 3, 2000):
         queries = torch.randn(1, 9, 1, 64, generator=generator)
@@ -139,12 +177,12 @@ def test_attend_newest_takes_sdpa_once_compiling_fails(monkeypatch: pytest.Monke
     def no_compiler(*args: object, **kwargs: object) -> None:
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(attention, "_SPLIT_KV", attention._CompiledSplitKV())
+    monkeypatch.setattr(attention_kernels, "SPLIT_KV", attention_kernels.CompiledSplitKV())
     monkeypatch.setattr(torch, "compile", no_compiler)
     generator = torch.Generator().manual_seed(13)
     queries = torch.randn(1, 9, 1, 64, generator=generator)
     keys, values = stored(3, SPLIT_KV_MIN_KEYS + 5, generator)
-    with caplog.at_level("WARNING", logger="kvlab.attention"):
+    with caplog.at_level("WARNING", logger="kvlab.attention_kernels"):
         first = attend_newest(queries, keys, values, 0.125)
         second = attend_newest(queries, keys, values, 0.125)
     sdpa = torch.nn.functional.scaled_dot_product_attention(
@@ -160,7 +198,7 @@ def test_warming_up_compiles_the_split_path_before_the_first_long_cache() -> Non
 _FIRST_LONG_STEP = """
 import torch
 from torch._dynamo.utils import counters
-from kvlab.attention import warm_up_split_kv
+from kvlab.attention_kernels import warm_up_split_kv
 from kvlab.cache import KVCache, Segment, forward, run_packed
 from tests.helpers import tiny_llama
 

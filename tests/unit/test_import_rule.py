@@ -36,6 +36,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # `attention` is the attention math that both `models` (the attention hook) and `cache` use.
     ("ground", (
         "kvlab", "kvlab.models", "kvlab.compress", "kvlab.quant", "kvlab.codec", "kvlab.attention",
+        "kvlab.attention_kernels",
         "kvlab.registry", "kvlab.timing", "kvlab.errors", "kvlab.paths", "kvlab.threads", "kvlab.bandwidth",
         "kvlab.data",
     )),

@@ -10,11 +10,11 @@ T_i tokens its cache holds, so its attention reads T_i + q_i keys with q_i queri
 - c0: reading the weights once (and the forward's fixed host work), shared by every segment;
 - c1: the linear layers' work per token;
 - c2: attention reading a one-query segment's keys and values (a plain or draft step), per thousand keys:
-  the split-KV decode path (`kvlab.attention.split_kv_decode`), which streams them;
-- c3: the same read by a segment of several queries (a verify), which takes another path (scores written
-  out as matrix products): at 8K keys it reads them several times slower, so one coefficient for both
-  would price a batch's plain steps at what its verifies pay (measured at 8K, batch 8: 31 ms predicted
-  per plain row against 15 ms);
+  the split-KV decode path (`kvlab.attention_kernels.split_kv_decode`), which streams them;
+- c3: the same read by a segment of several queries (a verify), which takes other paths (scores written
+  out as matrix products; over long caches, key pieces through the flash kernel): at 8K keys it reads them
+  several times slower, so one coefficient for both would price a batch's plain steps at what its
+  verifies pay (measured at 8K, batch 8: 31 ms predicted per plain row against 15 ms);
 - c4: attention's work for the queries past a segment's first, per query and key (per hundred thousand),
   in segments of up to 64 queries (drafts and verifies: `kvlab.attention.FOLDED_SCORES_MAX_QUERIES`);
 - c5: the same in longer segments (a long prompt piece), which take the flash kernel.
