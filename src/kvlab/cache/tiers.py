@@ -126,6 +126,12 @@ class TieredKVLayer(FullKVLayer):
         if self.pending[row] is None:
             self.pending[row] = self.loader.submit(self._load, row, self.slots[row], self.lengths[row])
 
+    def load_bytes(self, row: int) -> int:
+        """Bytes the next load of row `row` moves over the link: its stored keys and values as held (a
+        float32 model's 4 bytes an element, not `nbytes`'s fp16 convention)."""
+        length = self.lengths[row]
+        return self.keys[row, :, :length].nbytes + self.values[row, :, :length].nbytes
+
     def _load(self, row: int, slot: int, length: int) -> None:
         clock = Stopwatch()
         moved = self.storage.load(slot, length, self.keys[row, :, :length], self.values[row, :, :length])

@@ -79,8 +79,10 @@ class LosslessState:
     def full_shape(self, num_tokens: int) -> SegmentShape:
         """The full cache's segment when it is fed `num_tokens` (what a plain step or a verify reads)."""
         assert isinstance(self.full, KVCache)
-        tiered = isinstance(self.full.layers[0], TieredKVLayer)
-        return SegmentShape(num_tokens, self.full.seq_lengths[0], self.full.nbytes() if tiered else 0)
+        # What its loads move over the link (a float32 cache moves twice `nbytes`, whose fp16 convention
+        # priced the link at half its cost and the rounds too short: 4K, batch 4, 2 GB/s, k 3.8 for 8).
+        tier_bytes = sum(layer.load_bytes(0) for layer in self.full.layers if isinstance(layer, TieredKVLayer))
+        return SegmentShape(num_tokens, self.full.seq_lengths[0], tier_bytes)
 
     def record_round(self, plan: RoundPlan, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         looked_up = plan.source == "prompt_lookup"

@@ -107,9 +107,11 @@ def test_an_emulated_tier_charges_every_byte_it_reads_at_its_bandwidth() -> None
     clock = FakeClock()
     loader.bucket = TokenBucket(loader.bucket.rate, loader.bucket.burst, clock=clock, sleep=clock.sleep)
     tiered = move_to_tier(cache, loader, 400)
+    # What the planner prices the link with (`load_bytes`) is what the loads move, not `nbytes`'s fp16.
+    priced = sum(layer.load_bytes(0) for layer in tiered.layers)  # type: ignore[attr-defined]
     forward(loaded.model, tiered, torch.randint(3, 96, (1, 1)))
     moved = loader.stats.bytes_read
-    assert moved == loaded.architecture.num_layers * 2 * 2 * 300 * 16 * 4
+    assert moved == loaded.architecture.num_layers * 2 * 2 * 300 * 16 * 4 == priced
     # The burst is free, every other byte waits its turn at 1 MB/s: the link's clock moved exactly that long.
     assert clock.now == pytest.approx((moved - EMULATED_BURST_BYTES) / 1e6, rel=1e-9), clock.slept
 
