@@ -199,14 +199,13 @@ def attend_newest(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
                 return output.reshape(1, heads, 1, dim)
         # Every key is visible: one unmasked call, which needs no log-sum-exp.
         return F.scaled_dot_product_attention(folded, keys, values, scale=scaling).reshape(1, heads, 1, dim)
-    pieces = kernels.key_pieces(kv_heads)
-    long_enough = num_prefix >= kernels.PIECES_MIN_KEYS and num_queries >= kernels.PIECES_MIN_QUERIES
-    if cpu_float32 and pieces > 1 and long_enough:
-        return kernels.verify_in_pieces(folded, keys, values, scaling, num_queries, pieces).reshape(
-            1, heads, num_queries, dim
-        )
     if num_queries <= FOLDED_SCORES_MAX_QUERIES and keys.dtype == torch.float32:
-        output, _ = kernels.folded_scores(folded, keys, values, scaling, num_queries)
+        pieces = kernels.key_pieces(kv_heads)
+        long_enough = num_prefix >= kernels.PIECES_MIN_KEYS and num_queries >= kernels.PIECES_MIN_QUERIES
+        if cpu_float32 and pieces > 1 and long_enough:
+            output = kernels.verify_in_pieces(folded, keys, values, scaling, num_queries, pieces)
+        else:
+            output, _ = kernels.folded_scores(folded, keys, values, scaling, num_queries)
         return output.reshape(1, heads, num_queries, dim)
     block_keys, block_values = keys[:, :, num_prefix:], values[:, :, num_prefix:]
     if group > 1:
@@ -223,8 +222,9 @@ def attend_newest(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return merge_attention(prefix, prefix_lse, block, block_lse).to(queries.dtype)
 
 
-# Up to this many queries per row `attend_newest` materializes the scores (H * q * T floats). Measured
-# at 8064 keys, 9 + 1 heads of 64, 2 threads: 9 queries take 3.0-3.4 ms against 3.8-4.6 ms split.
+# Up to this many queries per row `attend_newest` materializes the scores (H * q * T floats; in pieces, the
+# q x q causal block's). Measured at 8064 keys, 9 + 1 heads of 64, 2 threads: 9 queries take 3.0-3.4 ms
+# against 3.8-4.6 ms split.
 FOLDED_SCORES_MAX_QUERIES = 64
 
 

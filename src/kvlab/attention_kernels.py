@@ -118,10 +118,11 @@ def warm_up_split_kv(kv_heads: int, group: int, head_dim: int) -> bool:
     return ready
 
 
-# `verify_in_pieces` from this many keys before the queries and this many queries: measured on 2 cores
-# of an EPYC (SmolLM2's 3 KV heads of 9 query heads, 2 pieces), per layer at 8064 keys 9 queries took
-# 1.60-1.67 ms against 2.11-2.23 written out as matrix products (`folded_scores`), 17 queries 3.05 against
-# 4.28; at 4096 keys 9 queries 0.92 against 1.24. At 2048 keys and at 2 queries it was no faster.
+# `verify_in_pieces` from this many keys before the queries and this many queries (up to
+# `kvlab.attention.FOLDED_SCORES_MAX_QUERIES`; longer runs would write out a long causal block). Measured
+# on 2 cores of an EPYC (SmolLM2's 3 KV heads of 9 query heads, 2 pieces), per layer at 8064 keys 9 queries
+# took 1.60-1.67 ms against 2.11-2.23 written out as matrix products (`folded_scores`), 17 queries 3.05
+# against 4.28; at 4096 keys 9 queries 0.92 against 1.24. At 2048 keys and at 2 queries it was no faster.
 PIECES_MIN_KEYS = 3072
 PIECES_MIN_QUERIES = 3
 

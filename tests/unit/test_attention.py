@@ -147,14 +147,17 @@ def test_a_verify_over_a_long_cache_takes_the_key_pieces(monkeypatch: pytest.Mon
     monkeypatch.setattr(attention_kernels, "verify_in_pieces", spy)
     monkeypatch.setattr(attention_kernels, "key_pieces", lambda kv_heads: 2)
     generator = torch.Generator().manual_seed(17)
-    num_queries = attention_kernels.PIECES_MIN_QUERIES
-    for num_keys in (attention_kernels.PIECES_MIN_KEYS - 1, attention_kernels.PIECES_MIN_KEYS + 1):
+    fewest, most = attention_kernels.PIECES_MIN_QUERIES, FOLDED_SCORES_MAX_QUERIES
+    shapes = [(attention_kernels.PIECES_MIN_KEYS - 1, fewest), (attention_kernels.PIECES_MIN_KEYS, fewest - 1),
+              (attention_kernels.PIECES_MIN_KEYS, most + 1), (attention_kernels.PIECES_MIN_KEYS, fewest),
+              (attention_kernels.PIECES_MIN_KEYS, most)]
+    for num_prefix, num_queries in shapes:
         queries = torch.randn(1, 9, num_queries, 64, generator=generator)
-        keys, values = stored(3, num_keys + num_queries, generator)
+        keys, values = stored(3, num_prefix + num_queries, generator)
         output = attend_newest(queries, keys, values, 0.125)
         reference = attend_newest_reference(queries, keys, values, 0.125)
         torch.testing.assert_close(output, reference, rtol=TOLERANCE, atol=TOLERANCE)
-    assert taken == [2], "only the verify past PIECES_MIN_KEYS keys takes the pieces"
+    assert taken == [2, 2], "only verifies of PIECES_MIN_QUERIES to 64 queries past PIECES_MIN_KEYS keys take them"
 
 
 def test_one_query_over_a_long_cache_takes_the_compiled_split_path_for_every_length() -> None:

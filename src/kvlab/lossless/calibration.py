@@ -15,8 +15,8 @@ of two, as every calibration forward). Without it the model would learn a large 
 the ticks the planner chose, and a batch that drafts never shows what its plain ticks cost (at 8K and
 batch 8, a plain tick costs about half of what single sequences' costs add up to).
 
-Both are kept between runs (`CalibrationStore`: one file per model, dtype, machine, torch version and
-thread count under the kvlab cache directory), so a later run on the same machine starts fitted and
+Both are kept between runs (`CalibrationStore`: one file per model, dtype, machine, torch version, thread
+count and kvlab source under the kvlab cache directory), so a later run on the same machine starts fitted and
 runs none of these forwards (at 8K, batch 8: about a second of a 64-token run's 10).
 """
 
@@ -44,9 +44,10 @@ logger = logging.getLogger(__name__)
 # The folder for kept calibrations; set empty to keep none (every run calibrates). Default: the kvlab cache
 # directory's "calibration" folder.
 CALIBRATION_DIR_ENV = "KVLAB_CALIBRATION_DIR"
-# Bumped when a kept row's meaning changes (the cost model's features) or kvlab's forwards change cost
-# (2: the lean decoder forward and fused projections, `kvlab.models.decoder_forward`).
+# Bumped when a kept row's meaning changes (the cost model's features). A change to what kvlab's forwards
+# cost changes kvlab's source, which `source_digest` keys the file by.
 FORMAT = 2
+KVLAB_SOURCE = Path(__file__).resolve().parents[1]
 
 # Tokens per calibration forward on the served weights (a plain step twice: its first pays set-ups).
 SERVED_TOKENS = (1, 1, 9, 17)
@@ -141,7 +142,7 @@ class CalibrationStore:
             return cls(None)
         directory = Path(configured).expanduser() if configured else cache_dir() / "calibration"
         key = json.dumps([FORMAT, NUM_FEATURES, source, str(dtype), machine_name(device), torch.__version__,
-                          torch.get_num_threads()])
+                          torch.get_num_threads(), source_digest()])
         return cls(directory / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json")
 
     def restore(self, costs: ForwardCostModel) -> None:
@@ -170,6 +171,19 @@ class CalibrationStore:
             partial.replace(self.path)
         except OSError as error:
             logger.warning("could not keep the calibration in %s (%s); later runs calibrate again", self.path, error)
+
+
+@functools.cache
+def source_digest(root: Path = KVLAB_SOURCE) -> str:
+    """A digest of kvlab's own Python source. A calibration times kvlab's kernels and forward as they were
+    (a verify's keys in pieces made it 0.75-0.87x at 8K, and a kept calibration of the written-out scores
+    then priced verifies high: the cost model's error rose to 18-19% a forward); any change to the source
+    starts a new file, kept apart from the old."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @functools.cache

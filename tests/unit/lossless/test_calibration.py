@@ -13,9 +13,9 @@ import torch
 from kvlab.compress import create_compressor
 from kvlab.engine import Engine, Request
 from kvlab.generation import GenerationConfig
-from kvlab.lossless import LosslessConfig
+from kvlab.lossless import LosslessConfig, calibration
 from kvlab.lossless import calibration as calibration_module
-from kvlab.lossless.calibration import CALIBRATION_DIR_ENV, CalibrationStore
+from kvlab.lossless.calibration import CALIBRATION_DIR_ENV, CalibrationStore, source_digest
 from kvlab.lossless.cost_model import ForwardCostModel, LinearFit, SegmentShape, features
 from tests.helpers import tiny_llama
 from tests.unit.lossless.test_lossless import DRAFTERS, _prompts
@@ -104,6 +104,21 @@ def test_the_kept_calibration_is_one_file_per_model_and_dtype_and_none_when_the_
     assert len(paths) == 4 and CalibrationStore.for_model("a", torch.float32, device).path in paths
     monkeypatch.setenv(CALIBRATION_DIR_ENV, "")
     assert CalibrationStore.for_model("a", torch.float32, device).path is None
+
+
+def test_a_change_to_kvlabs_source_keeps_its_calibration_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = tmp_path / "kvlab"
+    (source / "cache").mkdir(parents=True)
+    (source / "attention.py").write_text("SPLIT = 16\n")
+    (source / "cache" / "layers.py").write_text("pass\n")
+    before = source_digest(source)
+    assert source_digest(source) == before  # the same source, the same file
+    (source / "attention.py").write_text("SPLIT = 32\n")
+    assert source_digest.__wrapped__(source) != before
+    monkeypatch.setenv(CALIBRATION_DIR_ENV, str(tmp_path))
+    kept = CalibrationStore.for_model("a", torch.float32, torch.device("cpu")).path
+    monkeypatch.setattr(calibration, "source_digest", lambda: "another")
+    assert CalibrationStore.for_model("a", torch.float32, torch.device("cpu")).path != kept
 
 
 def test_a_cache_twice_as_long_as_any_calibrated_is_calibrated_again() -> None:
