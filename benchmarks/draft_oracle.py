@@ -20,11 +20,13 @@ every row of a batch is the same prompt, cut to its first `context` tokens (so a
 prompt loses its closing instruction); `--contexts` defaults to the whole prompt and may not exceed it.
 
 Order: per context and full-KV tier, each drafter's caches are prefilled once and every run decodes from
-copies of them (the table compares decoding only). Runs go plain; drafter 1 (`auto`, then each fixed length);
-plain; drafter 2 ...; plain. With `--repeats R` each drafter's settings run R times, the order reversed on
-every other repeat (auto first, then last) with plain between repeats, and each setting's rate is the mean
-of its runs. A drafter's baseline is the mean of the plain runs just before, between and after its runs
-(the first and last are kept in the JSON), so the machine's drift does not bias its ratios.
+copies of them (the table compares decoding only). Each drafter first decodes 2 tokens under `auto`,
+untimed, so the cost model's calibration at this length and batch is not timed in a row. Runs go plain;
+drafter 1 (`auto`, then each fixed length); plain; drafter 2 ...; plain. With `--repeats R` each drafter's
+settings run R times, the order reversed on every other repeat (auto first, then last) with plain between
+repeats, and each setting's rate is the mean of its runs. A drafter's baseline is the mean of the plain runs
+just before, between and after its runs (the first and last are kept in the JSON), so the machine's drift
+does not bias its ratios.
 Every lossless run's tokens must equal the first plain run's (`identical`; a mismatch is printed loudly).
 
 Oracle: per drafter, the best decode tok/s in hindsight among plain decoding (the baseline) and the
@@ -283,6 +285,12 @@ def measure_tier(loaded: LoadedModel, prompts: list[list[int]], where: dict[str,
         log(f"{place} [{done}/{total}] {setting[0]}: {run.rate:.2f} tok/s")
         return run
 
+    # Each drafter's `auto` once, untimed, on these very caches: without a kept calibration that covers them
+    # (`kvlab.lossless.calibration`: per model, machine and kvlab source, and per cache length and batch) the
+    # cost model calibrates inside its first run, and the first `auto` row would time those forwards.
+    settle = GenerationConfig(max_new_tokens=2, ignore_eos=True, full_kv_tier=where["tier"])
+    for spec in drafters:
+        decode(loaded, prompts, spec.setting("auto"), prefills[spec.cache_key], settle)
     plain_prefill = prefills[drafters[0].cache_key]
     plain_runs = [timed(PLAIN, plain_prefill)]
     records = []
