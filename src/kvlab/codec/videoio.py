@@ -47,9 +47,13 @@ class VideoBackend:
 
 SOFTWARE: dict[str, VideoBackend] = {
     "ffv1": VideoBackend("ffv1", "ffv1", "ffv1", "gray", (("level", "3"), ("slicecrc", "0")), False),
+    # x265 single-threaded (no worker pool, one frame thread): with its default threads it crashed the test
+    # process (a segmentation fault inside `encode`) twice in about 17 runs of the suite. Whether the threads
+    # also cause the wrong pixels `video_codes` retries (seen with one frame thread, the pool on) is not known.
+    # A chunk's frames are small (80x72 pixels for SmolLM2).
     "hevc": VideoBackend(
-        "hevc", "libx265", "hevc", "gray", (("x265-params", "lossless=1:log-level=none"), ("preset", "ultrafast")),
-        False,
+        "hevc", "libx265", "hevc", "gray",
+        (("x265-params", "lossless=1:log-level=none:pools=none:frame-threads=1"), ("preset", "ultrafast")), False,
     ),
 }
 # FFV1 has no hardware implementation; NVENC's lossless HEVC needs 4:4:4 input (no grayscale).
