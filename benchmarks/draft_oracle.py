@@ -361,6 +361,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write the run and its rows to this JSON file")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file or model directory")
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    parser.add_argument("--compile-forward", action="store_true",
+                        help="every forward through the graph compiled by torch.compile (load_model(compile_forward"
+                             "=True)): plain and lossless alike")
     args = parser.parse_args()
     if not 1 <= args.new_tokens <= MAX_NEW_TOKENS:
         parser.error(f"--new-tokens must be in 1..{MAX_NEW_TOKENS} (the room prefill_all leaves)")
@@ -373,7 +376,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     log(f"loading {args.model} on {args.device}")
-    loaded = load_model(args.model, device=args.device)
+    loaded = load_model(args.model, device=args.device, compile_forward=args.compile_forward)
     prompt, base = base_prompt(loaded, args)
     contexts = args.contexts or (DOC_CONTEXTS if base is None else [len(base)])
     if base is not None and max(contexts) > len(base):

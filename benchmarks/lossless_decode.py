@@ -183,9 +183,12 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file or model directory")
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    parser.add_argument("--compile-forward", action="store_true",
+                        help="every forward through the graph compiled by torch.compile (load_model(compile_forward"
+                             "=True)): plain and lossless alike")
     args = parser.parse_args()
 
-    loaded = load_model(args.model, device=args.device)
+    loaded = load_model(args.model, device=args.device, compile_forward=args.compile_forward)
     warm_up_decode_attention(loaded)  # compile before anything is timed
     warm = prefill_all(loaded, [document_token_ids(loaded.tokenizer, 128)], "snapkv", {"compression_ratio": 0.9})
     run_setting(

@@ -1,7 +1,8 @@
 """How close each forward runs to this machine's limits: time, bytes moved, FLOPs and the fraction of its bound.
 
 Usage: .venv/bin/python benchmarks/roofline.py [--contexts 4096 8064] [--batches 1 4 8]
-           [--verify-tokens 8 16] [--repeats 7] [--with-transformers-forward] [--json PATH]
+           [--verify-tokens 8 16] [--repeats 7] [--with-transformers-forward]
+           [--with-compiled-forward] [--json PATH]
 
 First the machine's own limits, measured with torch on the threads it runs with: the streaming
 bandwidth (summing a 512 MB float32 tensor), the rate a float32 matrix-vector product reads its matrix,
@@ -17,7 +18,11 @@ so drift on a shared machine hits every row alike:
 - draft steps at the longest context: SnapKV-10% caches with the served float32, bf16, int8 and int4
   weights, KIVI-4 and TurboQuant-4 caches with the served weights;
 - with `--with-transformers-forward`, the weights-only step and the longest batch-1 plain step through
-  transformers' own forward over unfused packed weights (kvlab's forward before `kvlab.models.decoder_forward`).
+  transformers' own forward over unfused packed weights (kvlab's forward before `kvlab.models.decoder_forward`);
+- with `--with-compiled-forward`, the weights-only step, the longest context's plain steps (batch 1 and the
+  largest), its verifies and SnapKV-10% draft steps (fp32, bf16, int4 weights) through the lean forward
+  compiled as one graph (`kvlab.models.compiled_forward`), interleaved with the eager rows; their
+  `vs plain step` is against the compiled plain step.
 
 Bytes moved: the linear layers' weights once per forward (as stored: 4, 2 or 1 bytes a weight) plus the
 keys and values every segment's attention reads (a quantized cache's working copy, as it is read today).
@@ -237,6 +242,8 @@ def build_forwards(loaded: LoadedModel, args: argparse.Namespace) -> list[Forwar
     snapkv_drafter = create_compressor("snapkv", compression_ratio=0.9)
     snapkv = prefill(loaded, [prompt], PrefillCaches(capacity, drafter=snapkv_drafter))[1]
     assert snapkv is not None
+    if args.with_compiled_forward:
+        forwards += compiled_forwards(forwards, snapkv, max(args.batches))
     for weights in ("same", "bf16", "int8", "int4"):
         drafter = draft_model(model, weights)  # type: ignore[arg-type]
         label = "fp32" if weights == "same" else weights
@@ -253,16 +260,37 @@ def build_forwards(loaded: LoadedModel, args: argparse.Namespace) -> list[Forwar
     return forwards
 
 
+def compiled_forwards(eager: list[Forward], snapkv: KVCache, batch: int) -> list[Forward]:
+    """The same forwards through the lean forward compiled as one graph (`kvlab.models.compiled_forward`),
+    over the same caches: the weights-only step, the longest context's plain steps at batch 1 and
+    `batch`, its verifies, and SnapKV-10% draft steps with fp32, bf16 and int4 weights."""
+    model = load_model(compile_forward=True).model
+    longest = max(forward.context for forward in eager)
+    wanted = ("step at", f"plain step, {longest} context, batch 1", f"plain step, {longest} context, batch {batch}",
+              "verify")
+    forwards = [dataclasses.replace(forward, name=f"{forward.name}, compiled", model=model, samples=[])
+                for forward in eager if type(forward) is Forward and forward.name.startswith(wanted)
+                and "transformers" not in forward.name]
+    following = eager[0].tokens
+    for weights in ("same", "bf16", "int4"):
+        label = "fp32" if weights == "same" else weights
+        forwards.append(Forward(f"draft step, SnapKV-10%, {label} weights, {longest}, compiled",
+                                draft_model(model, weights), [snapkv], 1, following, longest))  # type: ignore[arg-type]
+    return forwards
+
+
 def report_rows(forwards: list[Forward], loaded: LoadedModel, limits: Limits) -> list[dict[str, object]]:
     """Each forward's median time, bytes, FLOPs, bound and fraction of it; plain steps and verifies also
     their attention (and whatever else grows with context: the step minus the weights-only step), and
-    every row its time over one sequence's plain step at its context (what a round of drafts must beat)."""
-    weights_only_ms = 1e3 * statistics.median(next(f for f in forwards if "weights only" in f.name).samples)
-    plain_ms = {f.context: 1e3 * statistics.median(f.samples) for f in forwards
+    every row its time over one sequence's plain step at its context (what a round of drafts must beat).
+    Rows of the compiled forward are held to its own plain and weights-only steps."""
+    weights_only_ms = {_compiled(f): 1e3 * statistics.median(f.samples) for f in forwards if "weights only" in f.name}
+    plain_ms = {(f.context, _compiled(f)): 1e3 * statistics.median(f.samples) for f in forwards
                 if f.name.startswith("plain") and len(f.caches) == 1 and "transformers" not in f.name}
     rows = []
     for forward in forwards:
         ms = 1e3 * statistics.median(forward.samples)
+        plain = plain_ms.get((forward.context, _compiled(forward)))
         nbytes, flops = forward.bytes_moved(), forward.flops(loaded)
         rate = limits.matmul_gflops(_bytes_per_weight(forward.model))
         # Each repeat's bound from the bandwidth measured just before it; the fraction is the median of
@@ -273,11 +301,15 @@ def report_rows(forwards: list[Forward], loaded: LoadedModel, limits: Limits) ->
         rows.append({
             "forward": forward.name, "ms": ms, "bytes_moved": nbytes, "mb_moved": nbytes / 1e6, "flops": flops,
             "gflop": flops / 1e9, "gbps": nbytes / ms / 1e6, "bound_ms": bound_ms, "fraction_of_bound": fraction,
-            "vs_plain_step": ms / plain_ms[forward.context] if forward.context in plain_ms else None,
-            "attention_ms": ms - weights_only_ms
+            "vs_plain_step": None if plain is None else ms / plain,
+            "attention_ms": ms - weights_only_ms[_compiled(forward)]
             if forward.name.startswith(("plain", "verify")) and "transformers" not in forward.name else None,
         })
     return rows
+
+
+def _compiled(forward: Forward) -> bool:
+    return forward.name.endswith(", compiled")
 
 
 def _format(value: object, spec: str, unit: str = "") -> str:
@@ -293,6 +325,10 @@ def main() -> None:
     parser.add_argument("--with-transformers-forward", action="store_true",
                         help="also time the weights-only and the longest batch-1 plain step through transformers' "
                              "own forward with unfused packed weights (what kvlab ran before its lean forward)")
+    parser.add_argument("--with-compiled-forward", action="store_true",
+                        help="also time the weights-only step, the longest context's plain steps and verifies and "
+                             "SnapKV draft steps through the forward compiled as one graph (load_model(compile_forward"
+                             "=True); compiling takes minutes before anything is timed)")
     parser.add_argument("--json", type=Path, help="also write the limits and rows to this JSON file")
     args = parser.parse_args()
 

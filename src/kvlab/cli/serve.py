@@ -25,7 +25,7 @@ API_KEY_ENV = "KVLAB_API_KEY"
 # Flag groups of ServeConfig's fields, in the order `--help` shows them (the API key is no flag: a
 # command line shows in `ps`, so it comes from --api-key-file or KVLAB_API_KEY).
 GROUPS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "dtype", "device", "unpacked_weights"),
+    "model": ("model", "dtype", "device", "unpacked_weights", "compile_forward"),
     "network and access": ("host", "port", "allowed_hosts", "allowed_origins", "metrics_prefix"),
     "limits": ("max_num_seqs", "max_queued_requests", "max_prompt_tokens", "max_tokens_limit", "max_tokens_in_system",
                "max_tokens_per_request", "prefill_chunk_tokens", "shutdown_timeout_s"),

@@ -34,7 +34,7 @@ from kvlab.lossless.config import warn_if_inexact
 from kvlab.lossless.remote_prefix import PrefixTarget, start_remote
 from kvlab.lossless.round import LosslessState, lossless_rounds
 from kvlab.lossless.stats import LosslessStats
-from kvlab.models import LoadedModel
+from kvlab.models import LoadedModel, forward_kind
 from kvlab.models.draft_weights import draft_model
 from kvlab.store.resolution import exact_resolutions
 
@@ -69,8 +69,9 @@ class Engine:
         self._next_id = 0
         self._loaders: dict[TierSpec, TierLoader] = {}
         self._weight_sets: dict[str, torch.nn.Module] = {"same": loaded.model}  # type: ignore[dict-item]
+        calibration = CalibrationStore.for_model(loaded.source, loaded.dtype, loaded.device, forward_kind(loaded.model))
         self._decoder = Decoder(loaded.model, self._weight_sets, self.planner, self.figures,  # type: ignore[arg-type]
-                                self._loaders, CalibrationStore.for_model(loaded.source, loaded.dtype, loaded.device))
+                                self._loaders, calibration)
         self._fetcher = None
         if prefixes is not None and self.config.fetch_workers > 0:
             self._fetcher = PrefixFetcher(prefixes, self.config.fetch_workers)

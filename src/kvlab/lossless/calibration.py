@@ -135,14 +135,17 @@ class CalibrationStore:
     path: Path | None
 
     @classmethod
-    def for_model(cls, source: str, dtype: torch.dtype, device: torch.device) -> CalibrationStore:
-        """The store of `source`'s weights in `dtype` on `device`, on this machine (None path: kept nowhere)."""
+    def for_model(
+        cls, source: str, dtype: torch.dtype, device: torch.device, forward: str = "eager"
+    ) -> CalibrationStore:
+        """The store of `source`'s weights in `dtype` on `device` run by `forward` (how its forward runs:
+        `kvlab.models.forward_kind`), on this machine (None path: kept nowhere)."""
         configured = os.environ.get(CALIBRATION_DIR_ENV)
         if configured == "":
             return cls(None)
         directory = Path(configured).expanduser() if configured else cache_dir() / "calibration"
         key = json.dumps([FORMAT, NUM_FEATURES, source, str(dtype), machine_name(device), torch.__version__,
-                          torch.get_num_threads(), source_digest()])
+                          torch.get_num_threads(), source_digest(), forward])
         return cls(directory / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json")
 
     def restore(self, costs: ForwardCostModel) -> None:

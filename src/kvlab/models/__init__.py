@@ -1,6 +1,7 @@
 """Model loading and the only architecture-specific knowledge in kvlab."""
 
 from kvlab.models.architecture import ModelArchitecture
+from kvlab.models.compiled_forward import forward_kind
 from kvlab.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS
 from kvlab.models.identity import model_identity
 from kvlab.models.loading import DTYPES, LoadedModel, load_model, wrap_model
@@ -11,6 +12,7 @@ __all__ = [
     "EMBEDDED_MODELS",
     "LoadedModel",
     "ModelArchitecture",
+    "forward_kind",
     "load_model",
     "model_identity",
     "wrap_model",

@@ -21,6 +21,7 @@ bit for bit)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +32,12 @@ from kvlab.models.packed_linear import fuse_parts
 
 LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 """Model types whose decoder layer the lean forward runs (their layers are Llama's, plus QK-norm in Qwen3)."""
+
+COMPILED_FORWARD_ATTRIBUTE = "_kvlab_compiled_forward"
+"""Where `kvlab.models.compiled_forward` keeps a model's compiled forward (absent: the eager one)."""
+
+LayerAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+"""(layer index, queries [B, H, q, D], new keys, new values [B, H_kv, q, D], scaling) -> [B, H, q, D]."""
 
 _LEAN_LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
 
@@ -84,8 +91,12 @@ def causal_lm_forward(
     """Logits of feeding `input_ids` [B, q] at `position_ids` [B, q], attention computed by `step`.
 
     `logits_to_keep`: 0 keeps every position, n > 0 the last n, a tensor the positions it indexes
-    (transformers' convention). Returns [B, kept, V].
+    (transformers' convention). Returns [B, kept, V]. A model compiled by
+    `kvlab.models.compiled_forward.compile_forward` runs its compiled graph of the lean forward.
     """
+    compiled = getattr(model, COMPILED_FORWARD_ATTRIBUTE, None)
+    if compiled is not None:
+        return compiled(model, input_ids, position_ids, logits_to_keep, step)  # type: ignore[no-any-return]
     if not runs_lean(model):
         output = model(
             input_ids=input_ids,
@@ -95,20 +106,32 @@ def causal_lm_forward(
             kvlab_step=step,
         )
         return output.logits
+    kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    return lean_forward(model, input_ids, position_ids, kept, step.attend)
+
+
+def lean_forward(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    kept: slice | torch.Tensor,
+    attend: LayerAttention,
+) -> torch.Tensor:
+    """The Llama family's forward of `input_ids` [B, q] at `position_ids` [B, q], each layer's attention
+    by `attend`; returns the logits [B, kept, V] of the positions `kept` selects."""
     inner = model.model  # type: ignore[attr-defined]
     hidden = inner.embed_tokens(input_ids)
     cos, sin = inner.rotary_emb(hidden, position_ids)
     rotary = (cos.unsqueeze(1), sin.unsqueeze(1))  # [B, 1, q, D]: broadcast over heads
     for layer in inner.layers[: model.config.num_hidden_layers]:
-        hidden = hidden + _attention(layer.self_attn, _rms_norm(layer.input_layernorm, hidden), rotary, step)
+        hidden = hidden + _attention(layer.self_attn, _rms_norm(layer.input_layernorm, hidden), rotary, attend)
         hidden = hidden + _mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, hidden))
     hidden = _rms_norm(inner.norm, hidden)
-    kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     return model.lm_head(hidden[:, kept, :])  # type: ignore[operator]
 
 
 def _attention(
-    attention: Any, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], step: AttentionStep
+    attention: Any, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attend: LayerAttention
 ) -> torch.Tensor:
     """One layer's self-attention as the Llama family's forward computes it, attention itself by `step`."""
     input_shape = hidden.shape[:-1]
@@ -138,7 +161,7 @@ def _attention(
         queries, keys = queries.transpose(1, 2), keys.transpose(1, 2)
         queries = queries * cos + _rotate_half(queries) * sin
         keys = keys * cos + _rotate_half(keys) * sin
-    output = step.attend(attention.layer_idx, queries, keys, values, attention.scaling)  # [B, H, q, D]
+    output = attend(attention.layer_idx, queries, keys, values, attention.scaling)  # [B, H, q, D]
     return attention.o_proj(output.transpose(1, 2).reshape(*input_shape, -1).contiguous())
 
 

@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvlab.errors import ConfigError
+from kvlab.models.compiled_forward import compile_forward, is_compiled, uncompile_forward
 from kvlab.models.decoder_forward import fuse_projections
 from kvlab.models.int4_linear import int4_kernels_available, quantize_linear_layers
 from kvlab.models.packed_linear import dense_copy
@@ -54,7 +55,15 @@ def draft_model(model: PreTrainedModel, weights: DraftWeights) -> PreTrainedMode
         raise ConfigError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {weights!r}")
     copies = _copies[weights]
     if model not in copies:
-        copies[model] = _COPY_MAKERS[weights](model)
+        duplicate = _COPY_MAKERS[weights](model)
+        if duplicate is not model:
+            # A copy carries the original's compiled forward, whose graph holds the original's weights as
+            # constants: it gets its own where its layers allow (bf16 and int4 copies), else the eager one.
+            if is_compiled(model):
+                compile_forward(duplicate)
+            else:
+                uncompile_forward(duplicate)
+        copies[model] = duplicate
     return copies[model]
 
 

@@ -37,6 +37,7 @@ from transformers.utils import logging as hf_logging
 from kvlab.errors import ConfigError, ModelNotFoundError
 from kvlab.models.architecture import ModelArchitecture
 from kvlab.models.attention_hook import install_attention
+from kvlab.models.compiled_forward import compile_forward as compile_model_forward
 from kvlab.models.decoder_forward import fuse_projections
 from kvlab.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_gguf_path
 from kvlab.models.packed_linear import is_packed, pack_linear_layers
@@ -121,7 +122,11 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, text: str, raw: bool = 
 
 
 def load_model(
-    name: str | None = None, dtype: str = "float32", device: str = "cpu", packed_weights: bool = True
+    name: str | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    packed_weights: bool = True,
+    compile_forward: bool = False,
 ) -> LoadedModel:
     """Load a model by alias, GGUF file, local directory or locally cached hub id.
 
@@ -142,6 +147,11 @@ def load_model(
             output layer tied to the embeddings is packed as a copy (SmolLM2-135M: 113 MB more, Gemma 3
             270M: 671 MB).
             False keeps transformers' own layers, bit-identical to them.
+        compile_forward: Run kvlab's forwards as one graph compiled by `torch.compile`
+            (`kvlab.models.compiled_forward`: the Llama family; other models keep the eager forward):
+            decode steps skip most of their per-operation host work, after 30 to 75 s of compiling on
+            the first forward of each weight set. Inductor packs the float weights itself, so
+            `packed_weights` is not applied; each layer's projections are still fused.
 
     Raises:
         ModelNotFoundError: Nothing by that name is available on this machine.
@@ -163,7 +173,12 @@ def load_model(
         except OSError as error:
             raise ModelNotFoundError(_not_found_message(name)) from error
     return wrap_model(
-        model.to(device), tokenizer, name=name, source=str(gguf_file or directory), packed_weights=packed_weights
+        model.to(device),
+        tokenizer,
+        name=name,
+        source=str(gguf_file or directory),
+        packed_weights=packed_weights,
+        compile_forward=compile_forward,
     )
 
 
@@ -197,18 +212,23 @@ def wrap_model(
     name: str = "custom",
     source: str = "",
     packed_weights: bool = False,
+    compile_forward: bool = False,
 ) -> LoadedModel:
     """Prepare a model object you already hold for kvlab (eval mode, attention routed to kvlab).
 
     The model keeps working with plain transformers calls: kvlab only takes over attention in
     forwards that pass a kvlab cache step. With `packed_weights` its linear layers are replaced, in
-    place, by oneDNN-packed ones where the device and dtype allow (see `load_model`).
+    place, by oneDNN-packed ones where the device and dtype allow (see `load_model`); with
+    `compile_forward` its forwards run one compiled graph where its family allows (see `load_model`).
     """
     model.eval()
     install_attention(model)
-    if packed_weights:
+    if packed_weights and not compile_forward:  # a compiled graph packs its weights itself
         pack_linear_layers(model)
+    if packed_weights or compile_forward:
         fuse_projections(model)
+    if compile_forward:
+        compile_model_forward(model)
     return LoadedModel(
         name=name,
         source=source,

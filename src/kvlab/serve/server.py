@@ -118,7 +118,11 @@ def run_server(
     """
     lossless = default_lossless(config)
     loaded = load_model(
-        config.model, dtype=config.dtype, device=config.device, packed_weights=not config.unpacked_weights
+        config.model,
+        dtype=config.dtype,
+        device=config.device,
+        packed_weights=not config.unpacked_weights,
+        compile_forward=config.compile_forward,
     )
     build_draft_weights(loaded, config)
     servers: list[uvicorn.Server] = []

@@ -17,6 +17,7 @@ from kvlab.lossless import LosslessConfig, calibration
 from kvlab.lossless import calibration as calibration_module
 from kvlab.lossless.calibration import CALIBRATION_DIR_ENV, CalibrationStore, source_digest
 from kvlab.lossless.cost_model import ForwardCostModel, LinearFit, SegmentShape, features
+from kvlab.models import forward_kind
 from tests.helpers import tiny_llama
 from tests.unit.lossless.test_lossless import DRAFTERS, _prompts
 
@@ -77,7 +78,7 @@ def test_a_later_run_starts_from_the_kept_calibration(tmp_path: Path, monkeypatc
     assert _lossless_run(loaded) == first
     assert not timed  # fitted from the file: no calibration forward ran
     costs = ForwardCostModel()
-    CalibrationStore.for_model(loaded.source, loaded.dtype, loaded.device).restore(costs)
+    CalibrationStore.for_model(loaded.source, loaded.dtype, loaded.device, forward_kind(loaded.model)).restore(costs)
     assert costs.ready("same") and costs.ready("bf16")
     assert costs.calibration == rows
 
@@ -86,7 +87,7 @@ def test_an_unreadable_kept_calibration_is_a_run_that_calibrates(tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv(CALIBRATION_DIR_ENV, str(tmp_path))
     loaded = tiny_llama(num_kv_heads=2)
-    store = CalibrationStore.for_model(loaded.source, loaded.dtype, loaded.device)
+    store = CalibrationStore.for_model(loaded.source, loaded.dtype, loaded.device, forward_kind(loaded.model))
     assert store.path is not None
     store.path.parent.mkdir(parents=True, exist_ok=True)
     store.path.write_text("{not json")
@@ -95,13 +96,14 @@ def test_an_unreadable_kept_calibration_is_a_run_that_calibrates(tmp_path: Path,
     assert json.loads(store.path.read_text())["rows"]  # replaced by this run's
 
 
-def test_the_kept_calibration_is_one_file_per_model_and_dtype_and_none_when_the_folder_is_empty(
+def test_the_kept_calibration_is_one_file_per_model_dtype_and_forward_and_none_when_the_folder_is_empty(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(CALIBRATION_DIR_ENV, str(tmp_path))
     device = torch.device("cpu")
-    paths = {CalibrationStore.for_model(source, dtype, device).path
-             for source in ("a", "b") for dtype in (torch.float32, torch.bfloat16)}
-    assert len(paths) == 4 and CalibrationStore.for_model("a", torch.float32, device).path in paths
+    paths = {CalibrationStore.for_model(source, dtype, device, forward).path
+             for source in ("a", "b") for dtype in (torch.float32, torch.bfloat16)
+             for forward in ("eager", "packed", "compiled")}
+    assert len(paths) == 12 and CalibrationStore.for_model("a", torch.float32, device).path in paths
     monkeypatch.setenv(CALIBRATION_DIR_ENV, "")
     assert CalibrationStore.for_model("a", torch.float32, device).path is None
 
