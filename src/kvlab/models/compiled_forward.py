@@ -111,6 +111,10 @@ class CompiledForward:
         step: AttentionStep,
     ) -> torch.Tensor:
         kept = _kept_positions(logits_to_keep, input_ids.shape[1], input_ids.device)
+        # Dynamo guards on a tensor's dispatch keys, which differ between tensors made inside and outside
+        # inference mode: made alike, a prefill's ids (the caller's) and a step's (made in the forward) share
+        # one graph instead of compiling two.
+        input_ids, position_ids, kept = (_as_inference(tensor) for tensor in (input_ids, position_ids, kept))
         if input_ids.shape[0] == 1:
             # One row (every packed forward of the engine): token counts as unbacked sizes, one graph from
             # 1 token up. Several rows (the reference decoder, a batched prefill) keep ordinary dynamic sizes:
@@ -128,6 +132,12 @@ class CompiledForward:
                 return self._compiled(model, input_ids, position_ids, kept)  # type: ignore[no-any-return]
         finally:
             _in_flight.step = None
+
+
+def _as_inference(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.is_inference() or not torch.is_inference_mode_enabled():
+        return tensor
+    return tensor.clone()
 
 
 def _kept_positions(logits_to_keep: int | torch.Tensor, num_tokens: int, device: torch.device) -> torch.Tensor:

@@ -133,7 +133,7 @@ def lean_forward(
 def _attention(
     attention: Any, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attend: LayerAttention
 ) -> torch.Tensor:
-    """One layer's self-attention as the Llama family's forward computes it, attention itself by `step`."""
+    """One layer's self-attention as the Llama family's forward computes it, attention itself by `attend`."""
     input_shape = hidden.shape[:-1]
     head_shape = (*input_shape, -1, attention.head_dim)
     cos, sin = rotary

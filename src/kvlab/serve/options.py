@@ -7,13 +7,16 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
+from kvlab.cache import Segment, run_packed
 from kvlab.compress import compressors
 from kvlab.engine import Request
 from kvlab.errors import ConfigError
 from kvlab.generation.config import GenerationConfig
+from kvlab.generation.prefill import PrefillCaches, prefill
 from kvlab.lossless.config import LosslessConfig
 from kvlab.lossless.prompt_lookup import NGRAM_PREFIX, split_drafter_name
 from kvlab.models import LoadedModel
+from kvlab.models.compiled_forward import is_compiled
 from kvlab.models.draft_weights import DraftWeights, draft_model
 from kvlab.serve.config import Mode, ServeConfig
 from kvlab.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -133,6 +136,26 @@ def build_draft_weights(loaded: LoadedModel, serve: ServeConfig) -> None:
     """
     for weights in serve.draft_weights_choices:
         draft_model(loaded.model, weights)  # type: ignore[arg-type]
+
+
+WARM_UP_TOKENS = 8
+"""Prompt tokens of the start-up forward that compiles a served model's graph (`compile_forwards_now`)."""
+
+
+def compile_forwards_now(loaded: LoadedModel, serve: ServeConfig) -> int:
+    """With `--compile-forward`, compile the served model's graph and those of the draft copies requests may
+    name now, at start-up (each takes 30 to 75 s on 2 CPU cores), by one short forward each; the first
+    request would wait for them otherwise. Returns how many models it ran."""
+    choices = ("same", *serve.draft_weights_choices)
+    models = [draft_model(loaded.model, weights) for weights in choices]  # type: ignore[arg-type]
+    compiled = [model for model in dict.fromkeys(models) if is_compiled(model)]
+    if not compiled:
+        return 0
+    tokens = list(range(3, 3 + WARM_UP_TOKENS))
+    cache, _, _ = prefill(loaded, [tokens], PrefillCaches(WARM_UP_TOKENS + 2 * len(compiled)))
+    for model in compiled:  # one-row forwards share one graph for every token count: one token compiles it
+        run_packed(model, [Segment(cache, 1)], [tokens[:1]], [0])
+    return len(compiled)
 
 
 def generation_config(body: Body, num_prompt: int, context: int, serve: ServeConfig) -> GenerationConfig:

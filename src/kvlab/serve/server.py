@@ -29,7 +29,7 @@ from kvlab.models import load_model
 from kvlab.serve.app import create_app
 from kvlab.serve.config import ServeConfig
 from kvlab.serve.engine import ServeEngine
-from kvlab.serve.options import build_draft_weights
+from kvlab.serve.options import build_draft_weights, compile_forwards_now
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,7 @@ def run_server(
         compile_forward=config.compile_forward,
     )
     build_draft_weights(loaded, config)
+    compile_forwards_now(loaded, config)
     servers: list[uvicorn.Server] = []
 
     def stop_serving() -> None:  # the engine thread failed: exit non-zero rather than hang every request

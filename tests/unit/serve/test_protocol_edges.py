@@ -10,13 +10,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, ValidationError
 
 from kvlab.compress import compressors
 from kvlab.errors import ConfigError
 from kvlab.lossless import LosslessConfig
-from kvlab.models import LoadedModel
+from kvlab.models import LoadedModel, wrap_model
 from kvlab.serve import options, protocol
 from kvlab.serve.app import create_app
 from kvlab.serve.body import BodyError, parse_body
@@ -32,7 +33,7 @@ from kvlab.serve.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from tests.helpers import tiny_llama
+from tests.helpers import tiny_llama, tiny_tokenizer
 
 PROMPT = "w5 w9 w17 w33 w40 w41 w60 w7"
 LOSSLESS = {"mode": "lossless", "drafter_args": {"budget": 4}}
@@ -333,6 +334,16 @@ def test_the_allowed_draft_weights_are_built_at_start_up(loaded: LoadedModel, mo
     monkeypatch.setattr(options, "draft_model", lambda model, weights: built.append((model, weights)))
     options.build_draft_weights(loaded, ServeConfig(draft_weights="bf16", allowed_draft_weights=("same", "bf16")))
     assert built == [(loaded.model, "bf16"), (loaded.model, "same")], f"built {built}"
+
+
+def test_with_compile_forward_the_served_and_draft_graphs_compile_at_start_up() -> None:
+    served = wrap_model(tiny_llama(num_kv_heads=2, seed=3, packed_weights=False).model, tiny_tokenizer(),
+                        compile_forward=True)
+    config = ServeConfig(draft_weights="bf16", allowed_draft_weights=("same", "int8"))
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert options.compile_forwards_now(served, config) == 2  # the served model and its bf16 copy; int8 runs eager
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before + 2
+    assert options.compile_forwards_now(tiny_llama(num_kv_heads=2), config) == 0  # packed: nothing compiled
 
 
 def test_allowed_draft_weights_must_be_known() -> None:
