@@ -5,6 +5,8 @@ Usage: .venv/bin/python benchmarks/peers.py [--prompts doc-4k doc-8k summary sum
 
 Rows (SmolLM2, fp32, greedy, batch 1, `--new-tokens` generated with end-of-sequence ignored):
   kvlab plain                      kvlab's engine, full KV
+  kvlab plain compiled             the same with the forward compiled as one graph (`--compile-forward`),
+                                   compiled before any row is timed
   kvlab lossless snapkv-0.9 auto   drafts from a SnapKV cache keeping 10% of the prompt, verifies with the full KV
   kvlab lossless ngram+snapkv-0.9  the same, composed with prompt lookup (`--drafter ngram+snapkv`)
   ... int8                         the same, drafting with int8 dynamic-quantized weights (`--draft-weights int8`)
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import subprocess
 import sys
@@ -51,8 +54,9 @@ from kvlab.models import LoadedModel, load_model
 from kvlab.models.loading import prompt_token_ids
 from kvlab.timing import Stopwatch, timestamp_s
 
-KVLAB_ROWS = ["kvlab plain", "kvlab lossless snapkv-0.9 auto", "kvlab lossless ngram+snapkv-0.9",
-              "kvlab lossless ngram+snapkv-0.9 int8"]
+KVLAB_ROWS = ["kvlab plain", "kvlab plain compiled", "kvlab lossless snapkv-0.9 auto",
+              "kvlab lossless ngram+snapkv-0.9", "kvlab lossless ngram+snapkv-0.9 int8"]
+COMPILED = " compiled"  # a kvlab row's suffix: the same row with the forward compiled as one graph
 HF_ROWS = ["hf plain", "hf prompt lookup", "hf assisted"]
 VLLM_ROWS = ["vllm plain", "vllm ngram", "vllm draft_model"]
 PROMPTS = ["doc-4k", "doc-8k", "summary", "summary-6k", "code", "qa"]
@@ -92,7 +96,16 @@ def long_summary_prompt_ids(tokenizer: PreTrainedTokenizerBase, offset_tokens: i
     return prompt_token_ids(tokenizer, f"{LONG_SUMMARY_INSTRUCTION}\n\n{text}\n\n{LONG_SUMMARY_INSTRUCTION}")
 
 
+@functools.cache
+def compiled_model() -> LoadedModel:
+    """The embedded model with its forward compiled as one graph (`load_model(compile_forward=True)`), loaded
+    once; `main` compiles it before any row is timed."""
+    return load_model(None, compile_forward=True)
+
+
 def kvlab_row(loaded: LoadedModel, prompt: list[int], row: str, new_tokens: int) -> dict[str, Any]:
+    if row.endswith(COMPILED):
+        loaded, row = compiled_model(), row.removesuffix(COMPILED)
     config = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
     lossless = None
     if row != "kvlab plain":
@@ -230,6 +243,8 @@ def main() -> None:
     # Compile the split-KV decode attention before anything is timed (its first long cache would pay it).
     warm_up_split_kv(loaded.architecture.num_kv_heads, loaded.architecture.num_kv_groups, loaded.architecture.head_dim)
     kvlab_row(loaded, document_token_ids(loaded.tokenizer, 256), "kvlab plain", 8)  # warm-up
+    if any(row.endswith(COMPILED) for row in args.rows):  # compiling takes a minute or more: not in a timed row
+        kvlab_row(loaded, document_token_ids(loaded.tokenizer, 256), "kvlab plain" + COMPILED, 8)
     results = []
     for name in args.prompts:
         prompt = prompt_ids(loaded, name)

@@ -33,23 +33,7 @@ class GenerateCommand(Command):
         source = parser.add_mutually_exclusive_group(required=True)
         source.add_argument("--prompt", help="prompt text")
         source.add_argument("--prompt-file", type=Path, help="read the prompt from this UTF-8 file (- reads stdin)")
-        parser.add_argument(
-            "--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file, model dir or cached hub id"
-        )
-        parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and KV dtype")
-        parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
-        parser.add_argument(
-            "--unpacked-weights",
-            action="store_true",
-            help="run linear layers through transformers' own F.linear (logits bit-identical to transformers') "
-            "instead of oneDNN-packed weights",
-        )
-        parser.add_argument(
-            "--compile-forward",
-            action="store_true",
-            help="run each forward as one graph compiled by torch.compile (Llama-family models): faster decode "
-            "steps after 30-75 s of compiling per weight set on the first forward",
-        )
+        _add_model_arguments(parser)
         parser.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
         add_config_flags(parser, GenerationConfig, GENERATION_FIELDS, flags={"stop_strings": ["--stop"]})
         parser.add_argument(
@@ -130,6 +114,25 @@ class GenerateCommand(Command):
             if prefix is not None:
                 prefix.close()  # the chunks this prompt computed are written before exiting
         return EXIT_OK
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which model, and how its forwards run."""
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias, .gguf file, model dir or cached hub id")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and KV dtype")
+    parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
+    parser.add_argument(
+        "--unpacked-weights",
+        action="store_true",
+        help="run linear layers through transformers' own F.linear (logits bit-identical to transformers') "
+        "instead of oneDNN-packed weights",
+    )
+    parser.add_argument(
+        "--compile-forward",
+        action="store_true",
+        help="run each forward as one graph compiled by torch.compile (Llama-family models): faster decode "
+        "steps after 30-75 s of compiling per weight set on the first forward",
+    )
 
 
 def _prefix_config(args: argparse.Namespace) -> PrefixConfig | None:

@@ -7,12 +7,10 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from kvlab.cache import Segment, run_packed
 from kvlab.compress import compressors
-from kvlab.engine import Request
+from kvlab.engine import Request, generate_lossless
 from kvlab.errors import ConfigError
 from kvlab.generation.config import GenerationConfig
-from kvlab.generation.prefill import PrefillCaches, prefill
 from kvlab.lossless.config import LosslessConfig
 from kvlab.lossless.prompt_lookup import NGRAM_PREFIX, split_drafter_name
 from kvlab.models import LoadedModel
@@ -138,23 +136,21 @@ def build_draft_weights(loaded: LoadedModel, serve: ServeConfig) -> None:
         draft_model(loaded.model, weights)  # type: ignore[arg-type]
 
 
-WARM_UP_TOKENS = 8
-"""Prompt tokens of the start-up forward that compiles a served model's graph (`compile_forwards_now`)."""
+WARM_UP_TOKENS = 16
+"""Prompt tokens of the start-up request that compiles a served model's graphs (`compile_forwards_now`)."""
 
 
 def compile_forwards_now(loaded: LoadedModel, serve: ServeConfig) -> int:
-    """With `--compile-forward`, compile the served model's graph and those of the draft copies requests may
-    name now, at start-up (each takes 30 to 75 s on 2 CPU cores), by one short forward each; the first
-    request would wait for them otherwise. Returns how many models it ran."""
-    choices = ("same", *serve.draft_weights_choices)
-    models = [draft_model(loaded.model, weights) for weights in choices]  # type: ignore[arg-type]
-    compiled = [model for model in dict.fromkeys(models) if is_compiled(model)]
-    if not compiled:
-        return 0
-    tokens = list(range(3, 3 + WARM_UP_TOKENS))
-    cache, _, _ = prefill(loaded, [tokens], PrefillCaches(WARM_UP_TOKENS + 2 * len(compiled)))
-    for model in compiled:  # one-row forwards share one graph for every token count: one token compiles it
-        run_packed(model, [Segment(cache, 1)], [tokens[:1]], [0])
+    """With `--compile-forward`, compile the graphs of the served model and of the draft copies requests may
+    name now, at start-up (each takes 30 to 75 s on 2 CPU cores), by a short lossless request drafting with
+    each; the first requests would wait for them otherwise. Returns how many weight sets it ran."""
+    choices = dict.fromkeys(("same", *serve.draft_weights_choices))
+    compiled = [weights for weights in choices if is_compiled(draft_model(loaded.model, weights))]  # type: ignore[arg-type]
+    prompt = list(range(3, 3 + WARM_UP_TOKENS))
+    config = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    for weights in compiled:
+        drafter = LosslessConfig(compressors.create("streamingllm", budget=8), 2, draft_weights=weights)  # type: ignore[arg-type]
+        generate_lossless(loaded, [prompt], config, drafter)
     return len(compiled)
 
 
