@@ -44,7 +44,8 @@ which the compiler cannot trace: such models keep the eager forward."""
 _INDUCTOR_OPTIONS = {
     # Weights become constants: Inductor packs float linear weights for oneDNN once, at compile time.
     "freezing": True,
-    # The graph's calls run from generated C++, not a Python wrapper (about 3 ms a step less here).
+    # The graph's calls run from generated C++, not a Python wrapper (a scratch run: the weights-only step
+    # 33.0 ms with it, 35.1 without, beside eager steps of 38.7 and 40.5 ms).
     "cpp_wrapper": True,
 }
 
