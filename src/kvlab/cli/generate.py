@@ -17,7 +17,7 @@ from kvlab.generation import GenerationConfig, GenerationOutput
 from kvlab.lossless import LosslessConfig, LosslessOutput
 from kvlab.lossless.config import lossless_exact
 from kvlab.lossless.prompt_lookup import split_drafter_name
-from kvlab.models import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
+from kvlab.models import DEFAULT_MODEL, DTYPES, LoadedModel, load_configured_model
 from kvlab.store.prefix import PrefixCache, PrefixConfig
 
 GENERATION_FIELDS = (
@@ -85,13 +85,7 @@ class GenerateCommand(Command):
         compressor = _compressor(args)
         lossless = _lossless_config(args)
         prefix_config = _prefix_config(args)
-        loaded = load_model(
-            args.model,
-            dtype=args.dtype,
-            device=args.device,
-            packed_weights=not args.unpacked_weights,
-            compile_forward=args.compile_forward,
-        )
+        loaded = load_configured_model(args)
         prefix = None if prefix_config is None else PrefixCache.for_model(loaded, args.prefix_store, prefix_config)
         prompt_ids = loaded.encode_prompt(text, raw=args.raw)
         # Text streams to stdout as it is generated (not with --json); an interrupt keeps what was shown.

@@ -20,7 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvlab.errors import ConfigError
-from kvlab.models.compiled_forward import compile_forward, is_compiled, uncompile_forward
+from kvlab.models.compiled_forward import compile_forward, is_compiled
 from kvlab.models.decoder_forward import fuse_projections
 from kvlab.models.int4_linear import int4_kernels_available, quantize_linear_layers
 from kvlab.models.packed_linear import dense_copy
@@ -56,13 +56,10 @@ def draft_model(model: PreTrainedModel, weights: DraftWeights) -> PreTrainedMode
     copies = _copies[weights]
     if model not in copies:
         duplicate = _COPY_MAKERS[weights](model)
-        if duplicate is not model:
+        if duplicate is not model and is_compiled(model):
             # A copy carries the original's compiled forward, whose graph holds the original's weights as
             # constants: it gets its own where its layers allow (bf16 and int4 copies), else the eager one.
-            if is_compiled(model):
-                compile_forward(duplicate)
-            else:
-                uncompile_forward(duplicate)
+            compile_forward(duplicate)
         copies[model] = duplicate
     return copies[model]
 

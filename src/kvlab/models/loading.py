@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import transformers
@@ -179,6 +179,32 @@ def load_model(
         source=str(gguf_file or directory),
         packed_weights=packed_weights,
         compile_forward=compile_forward,
+    )
+
+
+class ModelSettings(Protocol):
+    """The model settings `kvlab generate`'s flags and `kvlab serve`'s `ServeConfig` share, by these names."""
+
+    @property
+    def model(self) -> str | None: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def unpacked_weights(self) -> bool: ...
+    @property
+    def compile_forward(self) -> bool: ...
+
+
+def load_configured_model(settings: ModelSettings) -> LoadedModel:
+    """`load_model` as a front door's model settings ask for it."""
+    return load_model(
+        settings.model,
+        dtype=settings.dtype,
+        device=settings.device,
+        packed_weights=not settings.unpacked_weights,
+        compile_forward=settings.compile_forward,
     )
 
 

@@ -25,7 +25,7 @@ import uvicorn
 
 from kvlab.compress import compressors
 from kvlab.lossless.config import LosslessConfig
-from kvlab.models import load_model
+from kvlab.models import load_configured_model
 from kvlab.serve.app import create_app
 from kvlab.serve.config import ServeConfig
 from kvlab.serve.engine import ServeEngine
@@ -117,13 +117,7 @@ def run_server(
         on_start: Told what is served once the model is loaded, before requests are taken.
     """
     lossless = default_lossless(config)
-    loaded = load_model(
-        config.model,
-        dtype=config.dtype,
-        device=config.device,
-        packed_weights=not config.unpacked_weights,
-        compile_forward=config.compile_forward,
-    )
+    loaded = load_configured_model(config)
     build_draft_weights(loaded, config)
     compile_forwards_now(loaded, config)
     servers: list[uvicorn.Server] = []

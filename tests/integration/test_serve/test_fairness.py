@@ -290,7 +290,7 @@ from kvlab.serve.config import ServeConfig
 from tests.helpers import tiny_llama
 
 loaded = tiny_llama()
-server_module.load_model = lambda *args, **kwargs: loaded
+server_module.load_configured_model = lambda settings: loaded
 server_module.DrainingServer.run = lambda self, sockets=None: None  # serves nothing
 started = []
 code = server_module.run_server(ServeConfig(port=0), on_start=started.append)
