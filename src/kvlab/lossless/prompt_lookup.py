@@ -97,16 +97,30 @@ class LookupMatch:
 def find_match(context_ids: list[int] | np.ndarray, num_tokens: int, lookup: PromptLookup) -> LookupMatch:
     """What followed the most recent earlier occurrence of the context's last n tokens, for the largest n
     in `[lookup.min_ngram, lookup.max_ngram]` that occurs (at most `num_tokens` tokens, none where no n
-    occurs), and that n (`context_ids` may be an int64 array: read in place)."""
-    length = len(context_ids)
-    if num_tokens < 1:
+    occurs), and that n (`context_ids` may be an int64 array: read in place).
+
+    One pass over the context finds the earlier occurrences of its last token; each is then extended
+    backwards, up to `max_ngram` tokens, over those candidates only. Scanning the whole context once per n
+    cost 2.9 ms at 6.5K tokens where nothing matched: a vLLM step of 8 rows looks up every row."""
+    tokens = np.asarray(context_ids, dtype=np.int64)
+    length = len(tokens)
+    if num_tokens < 1 or length < 2:
         return LookupMatch([], 0)
-    tokens = torch.as_tensor(context_ids, dtype=torch.long)
-    for size in range(min(lookup.max_ngram, length - 1), lookup.min_ngram - 1, -1):
-        # Windows starting before the suffix itself, so a match always has a continuation.
-        windows = tokens[: length - 1].unfold(0, size, 1)
-        matches = (windows == tokens[length - size :]).all(dim=1).nonzero()
-        if len(matches):
-            start = int(matches[-1, 0]) + size
-            return LookupMatch(tokens[start : start + num_tokens].tolist(), size)
-    return LookupMatch([], 0)
+    # Ends of earlier occurrences, before the last token so that a match always has a continuation.
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[-1])
+    if not len(ends):
+        return LookupMatch([], 0)
+    matched = np.ones(len(ends), dtype=np.int64)  # each occurrence's matched n-gram length, so far
+    alive = np.ones(len(ends), dtype=bool)
+    for back in range(1, min(lookup.max_ngram, length - 1)):
+        before = ends - back
+        alive &= before >= 0
+        alive[alive] = tokens[before[alive]] == tokens[length - 1 - back]
+        if not alive.any():
+            break
+        matched += alive
+    size = int(matched.max())
+    if size < lookup.min_ngram:
+        return LookupMatch([], 0)
+    start = int(ends[np.flatnonzero(matched >= size)[-1]]) + 1
+    return LookupMatch(tokens[start : start + num_tokens].tolist(), size)

@@ -36,6 +36,27 @@ def test_the_longest_recent_ngram_match_gives_the_continuation() -> None:
     assert find_match([4, 5, 6], 4, LOOKUP) == LookupMatch([], 0)
 
 
+def scanned_match(context: list[int], num_tokens: int, lookup: PromptLookup) -> LookupMatch:
+    """The lookup as its definition reads: every n from the largest down, every earlier window of n tokens."""
+    for size in range(min(lookup.max_ngram, len(context) - 1), lookup.min_ngram - 1, -1):
+        starts = [s for s in range(len(context) - size) if context[s : s + size] == context[-size:]]
+        if starts and num_tokens >= 1:
+            return LookupMatch(context[starts[-1] + size : starts[-1] + size + num_tokens], size)
+    return LookupMatch([], 0)
+
+
+@pytest.mark.parametrize("vocab", [2, 3, 5, 50])
+def test_the_lookup_equals_scanning_every_window_of_every_length(vocab: int) -> None:
+    generator = torch.Generator().manual_seed(vocab)
+    for lookup in (LOOKUP, PromptLookup(max_ngram=3), PromptLookup(min_ngram=2, max_ngram=4)):
+        for length in (1, 2, 3, 9, 40, 200):
+            for _ in range(20):
+                context = torch.randint(0, vocab, (length,), generator=generator).tolist()
+                for num_tokens in (0, 1, 4):
+                    assert find_match(context, num_tokens, lookup) == scanned_match(context, num_tokens, lookup), \
+                        (context, num_tokens, lookup)
+
+
 def test_an_offer_is_of_the_kind_of_its_match_so_copying_is_judged_apart() -> None:
     """The offer names the length of its match (up to 8 tokens by default): a context copying an earlier run
     matches 8, a stray token 1, and the planner keeps an acceptance record for each."""
