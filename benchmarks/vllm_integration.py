@@ -21,7 +21,9 @@ prompt: the embedded model's document, `--prefix-tokens` long, greedy. Rows:
   measured within the requests themselves (vLLM's own first- and last-token timestamps), and vLLM's
   acceptance counters. `--batch N` sends N requests at once (the document from N offsets); their
   decode rate is every token after each first token over the span from the first first token to
-  the last token, and the TTFT column is the wall time until the first first token.
+  the last token, and the TTFT column is the wall time until the first first token. A speculating row
+  may propose up to its own number of tokens ("decode: ngram k=8"); ratios over ngram are over its
+  fastest row.
 `ttft_s` is the wall time of a one-token request; `identical` compares the `--new-tokens` greedy tokens
 with the cold engine's; `bytes_per_token` is what the connector stored divided by the tokens it
 covers. The kvlab proposer row adds where its time goes (its own prefill, catch-up, drafting).
@@ -47,6 +49,8 @@ CONNECTOR_ROWS = ["vllm cold", "vllm prefix cache", "vllm + ExampleConnector", "
                   "kvlab redis:// exact", "kvlab redis:// adaptive"]
 DECODE_ROWS = ["decode: vllm plain", "decode: ngram", "decode: draft_model", "decode: kvlab proposer",
                "decode: kvlab proposer + hand-over"]
+# A decode row's speculator may propose up to its own number of tokens: "decode: ngram k=8".
+ROW_TOKENS = " k="
 # Tokens between the starts of the prompts of a batch (the bundled document read from several offsets).
 BATCH_OFFSET = 256
 ADAPTIVE = ("exact", "int8", "int4")
@@ -156,8 +160,8 @@ def decode_child(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str
     from kvlab.integrations.vllm.model import model_directory
 
     prompt = prompts[0]
-    kind = args.child.removeprefix("decode: ")
-    k = args.num_speculative_tokens
+    setting, k = row_tokens(args.child, args.num_speculative_tokens)
+    kind = setting.removeprefix("decode: ")
     # The whole batch prefills in one step, so the decode span times the batch decoding together. With
     # vLLM's CPU default (4096 tokens a step) the prompts prefilled in chunks between the first requests'
     # decode steps: at batch 8 the span was mostly the other prompts' prefill.
@@ -202,7 +206,7 @@ def decode_child(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str
     result: dict[str, Any] = {"ttft_s": ttft_s, "tokens": tokens, "decode_s": decode_s,
                               "request_ttft_s": total_s - decode_s,
                               "decode_tokens_per_s": sum(len(t) - 1 for t in tokens) / decode_s,
-                              "first_token_spread_s": spread_s}
+                              "first_token_spread_s": spread_s, "num_speculative_tokens": k}
     drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
     drafted = after.get("num_draft_tokens", 0) - before.get("num_draft_tokens", 0)
     accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
@@ -252,6 +256,22 @@ def _counters(llm: Any) -> dict[str, float]:
 
 def shutdown(llm: Any) -> None:
     llm.llm_engine.engine_core.shutdown()
+
+
+def row_tokens(row: str, default: int) -> tuple[str, int]:
+    """A row's setting without its own speculative tokens, and those (`default` where it names none)."""
+    setting, _, tokens = row.partition(ROW_TOKENS)
+    return setting, int(tokens) if tokens else default
+
+
+def row_setting(row: str) -> str:
+    """`row` checked: a known setting, where a decode row that speculates may name its own `k=N`."""
+    setting, k = row_tokens(row, 1)
+    if setting not in CONNECTOR_ROWS + DECODE_ROWS or (setting != row and (
+            not setting.startswith("decode:") or setting == "decode: vllm plain" or k < 1)):
+        raise argparse.ArgumentTypeError(f"unknown row {row!r}: one of {CONNECTOR_ROWS + DECODE_ROWS}, a speculating "
+                                         "decode row with ' k=N' after it")
+    return row
 
 
 # ----- the parent: one child process per engine
@@ -418,21 +438,21 @@ def parent(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def add_decode_ratios(rows: list[dict[str, Any]], prompt: str, batch: int) -> None:
     """Each decode row's prompt, batch, and its decode rate and in-request TTFT over vLLM plain's and ngram's
-    (of the same run), kept in the row itself."""
-    def rate(setting: str, key: str) -> float | None:
-        return next((r.get(key) for r in rows if r["setting"] == setting), None)
+    (of the same run; where ngram ran at several `k`, its fastest row), kept in the row itself."""
+    def base(setting: str) -> dict[str, Any] | None:
+        same = [r for r in rows if row_tokens(r["setting"], 0)[0] == setting and r.get("decode_tokens_per_s")]
+        return max(same, key=lambda r: r["decode_tokens_per_s"], default=None)
 
+    bases = {"plain": base("decode: vllm plain"), "ngram": base("decode: ngram")}
     for row in rows:
         if not row["setting"].startswith("decode:"):
             continue
         row.update(prompt=prompt, batch=batch)
-        for base in ("vllm plain", "ngram"):
-            name = base.replace("vllm ", "")
-            decode, ttft = rate(f"decode: {base}", "decode_tokens_per_s"), rate(f"decode: {base}", "request_ttft_s")
-            if decode:
-                row[f"decode_x_{name}"] = row["decode_tokens_per_s"] / decode
-            if ttft:
-                row[f"request_ttft_x_{name}"] = row["request_ttft_s"] / ttft
+        for name, reference in bases.items():
+            if reference is not None:
+                row[f"decode_x_{name}"] = row["decode_tokens_per_s"] / reference["decode_tokens_per_s"]
+                if row.get("request_ttft_s") and reference.get("request_ttft_s"):
+                    row[f"request_ttft_x_{name}"] = row["request_ttft_s"] / reference["request_ttft_s"]
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -480,8 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--drafter", default='{"name": "snapkv", "budget": 512}', help="kvlab compressor, JSON")
-    parser.add_argument("--rows", nargs="+", default=CONNECTOR_ROWS + DECODE_ROWS, choices=CONNECTOR_ROWS + DECODE_ROWS,
-                        help="rows to run (default: all; 'vllm cold' is the reference of the others)")
+    parser.add_argument("--rows", nargs="+", default=CONNECTOR_ROWS + DECODE_ROWS, type=row_setting,
+                        help=f"rows to run, of {CONNECTOR_ROWS + DECODE_ROWS} (default: all; 'vllm cold' is the "
+                             "reference of the others); a speculating decode row may propose its own number of "
+                             "tokens: 'decode: ngram k=8'")
     parser.add_argument("--batch", type=int, default=1, help="decode rows: requests sent at once")
     parser.add_argument("--prompt", choices=["doc", "summary-6k"], default="doc",
                         help="doc: the bundled document, --prefix-tokens long; summary-6k: peers.py's long summary "

@@ -312,6 +312,17 @@ def test_a_lookup_round_drafts_no_forward_and_the_row_is_adopted_when_its_cache_
     assert (proposer.stats.num_adopted, proposer.stats.num_prefills) == (1, 0)  # from the pages, on its first round
 
 
+def test_the_first_call_fits_the_draft_forward_on_synthetic_caches_and_adopts_nothing(tiny: LoadedModel) -> None:
+    proposer = proposer_for(tiny, "snapkv", draft_length="auto", compression_ratio=0.0)
+    assert not proposer.costs.forwards.ready(proposer.draft_weights)
+    pages = Pages(tiny)
+    history = PROMPTS[0] + [17]
+    drafts = propose(proposer, [history], pages.step([pages.write("a", history[:-1])]))
+    assert proposer.costs.forwards.ready(proposer.draft_weights)
+    # The bootstrap's first plan: this row has no lookup, and its cache's turns ended with the fit.
+    assert drafts == [[]] and proposer.stats.num_adopted == 0 and proposer.stats.num_draft_forwards == 0
+
+
 def test_vllm_steps_are_timed_only_where_they_decoded_the_last_calls_sequences_and_nothing_else(
         tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     timed: list[list[int]] = []

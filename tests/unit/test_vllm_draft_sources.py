@@ -8,6 +8,7 @@ from kvlab.integrations.vllm.sources import (
     ADOPTION_ROUNDS,
     BOOTSTRAP_CACHE_ROWS,
     CACHE,
+    CALIBRATION_ROWS,
     LOOKUP,
     LookupAcceptance,
     RowPlan,
@@ -21,6 +22,7 @@ from kvlab.integrations.vllm.sources import (
 from kvlab.lossless.cost_model import SegmentShape
 from kvlab.lossless.lengths import Acceptance
 from kvlab.lossless.prompt_lookup import LookupMatch
+from tests.helpers import tiny_llama
 
 
 def fitted(step_s: float, draft_forward_s: float, verify_token_s: float = 0.0, num_rows: int = 1) -> StepCosts:
@@ -61,8 +63,9 @@ def test_before_the_costs_are_fitted_rows_propose_every_length_from_both_sources
         assert all(plan.source is None for plan in plans if plan.num_draft_tokens == 0)
         assert {plan.source for plan in plans if plan.source} == sources
         assert costs.num_bootstrap_steps == 10
-    fitted_drafts = [bootstrap_plans([[5, 6, 7, 8]], 4, step, drafts_fitted=True)[0] for step in range(10)]
-    assert {plan.source for plan in fitted_drafts} == {LOOKUP, None}  # the cache's turns end once it is fitted
+    for lookup, sources in (([5, 6, 7, 8], {LOOKUP, None}), ([], {None})):  # no cache turns once it is fitted
+        fitted_drafts = [bootstrap_plans([lookup], 4, step, drafts_fitted=True)[0] for step in range(10)]
+        assert {plan.source for plan in fitted_drafts} == sources
 
 
 def test_the_bootstrap_fits_the_cache_on_its_first_rows_only() -> None:
@@ -82,6 +85,22 @@ def test_a_row_not_adopted_yet_takes_its_cache_only_where_the_adoption_is_worth_
     adopted = plan_rows(step([accepted], [[]]), 4, fitted(0.1, 0.01), LookupAcceptance())
     dear = plan_rows(step([accepted], [[]], adopt_s=ADOPTION_ROUNDS * 1.0), 4, fitted(0.1, 0.01), LookupAcceptance())
     assert adopted == [RowPlan(CACHE, 4)] and dear == [RowPlan(None, 0)], (adopted, dear)
+
+
+def test_the_draft_forward_is_fitted_on_synthetic_caches_so_the_bootstrap_adopts_no_row() -> None:
+    from kvlab.integrations.vllm.adoption import synthetic_caches
+
+    model = tiny_llama()
+    caches = [synthetic_caches(model, kept, max(CALIBRATION_ROWS)) for kept in (16, 64)]
+    costs = StepCosts("same")
+    costs.calibrate_drafts(model.model, caches)
+    assert costs.forwards.ready("same") and not costs.ready()  # vLLM's steps are fitted as they come
+    fitted_rows = 2 * len(CALIBRATION_ROWS) - costs.forwards.warm_up  # the first forward pays one-off set-ups
+    assert len(costs.forwards.calibration["same"]) == fitted_rows
+    assert [cache.seq_lengths[0] for cache in caches[1]] == [64] * max(CALIBRATION_ROWS)  # rolled back
+    plans = [plan_rows(step([RowRecord(), RowRecord()], [[5, 6, 7, 8], []]), 4, costs, LookupAcceptance())
+             for _ in range(10)]
+    assert [{plan[row].source for plan in plans} for row in range(2)] == [{LOOKUP, None}, {None}]
 
 
 def test_a_fixed_length_takes_the_lookup_where_it_has_one_else_the_cache() -> None:

@@ -109,3 +109,21 @@ def test_the_loopback_server_starts_once_at_the_first_url_and_stops(
     assert started == [tmp_path], f"started {len(started)} times for two rows"
     loopback.stop()
     assert server.stopped
+
+
+def test_a_decode_row_may_name_its_own_speculative_tokens(bench: ModuleType) -> None:
+    assert bench.row_tokens("decode: ngram k=8", 4) == ("decode: ngram", 8)
+    assert bench.row_tokens("decode: ngram", 4) == ("decode: ngram", 4)
+    assert bench.row_setting("decode: kvlab proposer + hand-over k=8") == "decode: kvlab proposer + hand-over k=8"
+    for wrong in ("decode: vllm plain k=8", "vllm cold k=2", "decode: ngram k=0", "decode: nothing"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.row_setting(wrong)
+
+
+def test_ratios_over_ngram_are_over_its_fastest_row(bench: ModuleType) -> None:
+    rows = [{"setting": setting, "decode_tokens_per_s": rate, "request_ttft_s": ttft}
+            for setting, rate, ttft in (("decode: vllm plain", 10.0, 2.0), ("decode: ngram", 12.0, 2.0),
+                                        ("decode: ngram k=8", 15.0, 4.0), ("decode: kvlab proposer k=8", 18.0, 2.0))]
+    bench.add_decode_ratios(rows, "doc", 1)
+    kvlab = rows[-1]
+    assert (kvlab["decode_x_plain"], kvlab["decode_x_ngram"], kvlab["request_ttft_x_ngram"]) == (1.8, 1.2, 0.5)

@@ -71,7 +71,7 @@ def calibrate(
         else:
             runs = [(draft, 1)] * (DRAFT_STEPS + 1)
         for cache, num_tokens in runs:
-            seconds, shapes = _fastest_packed(model, [cache], token_id, num_tokens)
+            seconds, shapes = fastest_packed(model, [cache], token_id, num_tokens)
             costs.observe_tick([(weights, shapes, seconds)], calibration=True)
     return calibrated
 
@@ -83,14 +83,14 @@ def calibrate_batch(costs: ForwardCostModel, models: dict[str, torch.nn.Module],
     fulls = [full for full, _ in pairs if not isinstance(full.layers[0], TieredKVLayer)]
     drafts = [draft for _, draft in pairs]
     if len(fulls) > 1:
-        seconds, shapes = _fastest_packed(models["same"], fulls, token_id)
+        seconds, shapes = fastest_packed(models["same"], fulls, token_id)
         costs.observe_tick([("same", shapes, seconds)], calibration=True)
     for weights, model in models.items():
-        seconds, shapes = _fastest_packed(model, drafts, token_id)
+        seconds, shapes = fastest_packed(model, drafts, token_id)
         costs.observe_tick([(weights, shapes, seconds)], calibration=True)
 
 
-def _fastest_packed(
+def fastest_packed(
     model: torch.nn.Module, caches: list[KVCache], token_id: int, num_tokens: int = 1
 ) -> tuple[float, list[SegmentShape]]:
     """The faster of two timed packed forwards (`_timed_packed`). A shared machine only ever adds time, and one

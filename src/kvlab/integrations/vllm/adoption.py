@@ -121,6 +121,19 @@ class ProposerStats:
             logger.warning("KVLabDraftProposer falls back to its own prefill (%s, %d so far): %s", kind, count, detail)
 
 
+def synthetic_caches(model: LoadedModel, num_tokens: int, count: int) -> list[KVCache]:
+    """`count` draft caches each holding `num_tokens` tokens of zero keys and values: what a draft forward reads
+    over a compressed cache of that many kept tokens, for timing one before any prompt is adopted."""
+    arch = model.architecture
+    caches = []
+    for _ in range(count):
+        cache = KVCache.allocate(arch, 1, num_tokens + CAPACITY_MARGIN, model.dtype, model.device)
+        zeros = torch.zeros(1, arch.num_kv_heads, num_tokens, arch.head_dim, dtype=model.dtype, device=model.device)
+        cache.append([(zeros, zeros)] * arch.num_layers, [num_tokens])
+        caches.append(cache)
+    return caches
+
+
 def observation_window(compressor: Compressor) -> int:
     """Prompt tokens recomputed on adoption: the compressor's observation window, at least MIN_WINDOW."""
     return max(MIN_WINDOW, int(getattr(compressor, "window_size", 0) or 0))

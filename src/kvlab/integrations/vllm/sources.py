@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
+from kvlab.cache import KVCache
+from kvlab.lossless.calibration import fastest_packed
 from kvlab.lossless.compressed_cache import CompressedCacheDrafter
 from kvlab.lossless.cost_model import ForwardCostModel, SegmentShape
 from kvlab.lossless.lengths import Acceptance, choose_length
@@ -40,6 +44,10 @@ BOOTSTRAP_CACHE_ROWS = 1
 # cache again. Priced as free, adoption made rows take one cache round each: at batch 8 on a 6.4K prompt all
 # 8 were adopted for 46 cache row steps (3.9 s of a 22.8 s decode span).
 ADOPTION_ROUNDS = 16
+# Rows and kept tokens of the packed draft forwards `StepCosts.calibrate_drafts` times on the proposer's first
+# call (the kept tokens of a compressed cache: a SnapKV budget of 512 keeps 512).
+CALIBRATION_ROWS = (1, 2, 4, 8)
+CALIBRATION_KEPT_TOKENS = (256, 1024)
 # Prior acceptance of each source's drafts (a draft's, given the ones before it were accepted).
 PRIORS = {LOOKUP: PromptLookup.prior_acceptance, CACHE: CompressedCacheDrafter.prior_acceptance}
 
@@ -108,9 +116,19 @@ class StepCosts:
         """vLLM's step over `rows` (each: its proposal + 1 tokens after its context) took `seconds`."""
         self.forwards.observe_tick([(VLLM_STEP, rows, seconds)])
 
-    def observe_draft(self, rows: list[SegmentShape], seconds: float) -> None:
-        """One packed draft forward over `rows` took `seconds`."""
-        self.forwards.observe_tick([(self.weights, rows, seconds)])
+    def observe_draft(self, rows: list[SegmentShape], seconds: float, calibration: bool = False) -> None:
+        """One packed draft forward over `rows` took `seconds` (`calibration`: a forward `calibrate_drafts` ran)."""
+        self.forwards.observe_tick([(self.weights, rows, seconds)], calibration=calibration)
+
+    def calibrate_drafts(self, model: torch.nn.Module, caches_by_length: list[list[KVCache]]) -> None:
+        """Fit the draft forward before any row drafts: packed forwards over 1, 2, 4 and 8 of each list's caches
+        (synthetic ones of a few kept lengths), each the faster of two, rolled back. Without it the bootstrap
+        adopted a row to draft from its cache on alternate turns, and adopting costs 0.3-0.4 s of a request's
+        decode (docs/vllm.md)."""
+        for caches in caches_by_length:
+            for num_rows in CALIBRATION_ROWS:
+                seconds, shapes = fastest_packed(model, caches[:num_rows], 0)
+                self.observe_draft(shapes, seconds, calibration=True)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -201,14 +219,15 @@ def _plan_step(rows: StepRows, max_tokens: int, costs: StepCosts, lookup_accepta
 
 def bootstrap_plans(lookups: list[list[int]], max_tokens: int, step: int, drafts_fitted: bool) -> list[RowPlan]:
     """Rows' plans while the costs are not fitted: row i of step `step` proposes (step + i) mod
-    (max_tokens + 1) tokens (0: nothing), from its lookup where it has one, else from the cache (the first
-    BOOTSTRAP_CACHE_ROWS rows only; the others propose nothing then); while the draft forwards are not
-    fitted, those rows draft from the cache on every other turn (so that they get fitted)."""
+    (max_tokens + 1) tokens (0: nothing), from its lookup where it has one, else nothing. Only while the draft
+    forwards are not fitted (the proposer fits them on synthetic caches at its first call) do the first
+    BOOTSTRAP_CACHE_ROWS rows also draft from their caches: where they have no lookup, and on every other
+    turn where they have one (so that the draft forward gets fitted; each costs an adoption)."""
     plans = []
     for index, lookup in enumerate(lookups):
         length = (step + index) % (max_tokens + 1)
-        may_cache = index < BOOTSTRAP_CACHE_ROWS
-        cache_turn = may_cache and not drafts_fitted and (step + index) // (max_tokens + 1) % 2 == 1
+        may_cache = index < BOOTSTRAP_CACHE_ROWS and not drafts_fitted
+        cache_turn = may_cache and (step + index) // (max_tokens + 1) % 2 == 1
         if length == 0 or not (lookup or may_cache):
             plans.append(RowPlan(None, 0))
         elif lookup and not cache_turn:
