@@ -3,7 +3,8 @@ speculative decoding with kvlab's compressed-cache drafter against vLLM's own pr
 
 Usage: .venv-vllm/bin/python benchmarks/vllm_integration.py [--prefix-tokens 4096] [--new-tokens 64]
            [--chunk-tokens 256] [--num-speculative-tokens 4] [--drafter '{"name": "snapkv", "budget": 512}']
-           [--batch 1] [--prompt doc|summary-6k] [--draft-weights same|bf16|int8] [--rows ...] [--compile] [--json PATH]
+           [--batch 1] [--prompt doc|summary-6k] [--draft-weights same|bf16|int8|int4] [--rows ...] [--compile]
+           [--json PATH]
 
 Every row runs its engines in fresh processes (vLLM keeps one KV connector per process), on the same
 prompt: the embedded model's document, `--prefix-tokens` long, greedy. Rows:
@@ -508,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", choices=["doc", "summary-6k"], default="doc",
                         help="doc: the bundled document, --prefix-tokens long; summary-6k: peers.py's long summary "
                              "prompt (6452 tokens; --prefix-tokens ignored)")
-    parser.add_argument("--draft-weights", default="same", choices=["same", "bf16", "int8"],
+    parser.add_argument("--draft-weights", default="same", choices=["same", "bf16", "int8", "int4"],
                         help="kvlab proposer rows: the weights that draft (KVLAB_VLLM_DRAFT_WEIGHTS)")
     parser.add_argument("--compile", action="store_true", help="let vLLM compile the model (default: eager)")
     parser.add_argument("--json", type=Path, help="write the rows here")

