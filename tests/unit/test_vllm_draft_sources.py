@@ -87,6 +87,16 @@ def test_a_row_not_adopted_yet_takes_its_cache_only_where_the_adoption_is_worth_
     assert adopted == [RowPlan(CACHE, 4)] and dear == [RowPlan(None, 0)], (adopted, dear)
 
 
+def test_a_row_is_adopted_only_where_its_cache_is_expected_to_pay_never_to_explore() -> None:
+    """A cache never tried (its prior), 90 ms a draft forward beside a 100 ms step: only the optimistic estimate
+    beats a plain step. An adopted row probes its cache; a row not adopted yet does not pay an adoption for it,
+    however cheap."""
+    costs = fitted(0.1, 0.09)
+    adopted = plan_rows(step([RowRecord()], [[]]), 4, costs, LookupAcceptance())
+    not_yet = plan_rows(step([RowRecord()], [[]], adopt_s=0.0016), 4, costs, LookupAcceptance())
+    assert adopted[0].source == CACHE and not_yet == [RowPlan(None, 0)], (adopted, not_yet)
+
+
 def test_the_draft_forward_is_fitted_on_synthetic_caches_so_the_bootstrap_adopts_no_row() -> None:
     from kvlab.integrations.vllm.adoption import synthetic_caches
 

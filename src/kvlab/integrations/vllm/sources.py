@@ -205,10 +205,12 @@ def _plan_step(rows: StepRows, max_tokens: int, costs: StepCosts, lookup_accepta
                 best, best_rate = RowPlan(LOOKUP, choice.num_draft_tokens), choice.rate
         draft_s = costs.forwards.share_s(costs.weights, SegmentShape(1, num_cached), num_cache_rows)
         first_s = adopt_s / ADOPTION_ROUNDS
+        # A row is adopted only where its cache's expected rate pays, never to explore: exploring cost an
+        # adoption (0.4 s, 9 of vLLM's plain steps) for a few rounds that lost (document, batch 1, 8 drafts).
         choice = choose_length(record.cache, range(1, max_tokens + 1),
                                lambda length, draft_s=draft_s, first_s=first_s:  # type: ignore[misc]
                                verify_s(length) + length * draft_s + first_s,
-                               plain_s, optimism)
+                               plain_s, optimism if adopt_s == 0 else 0.0)
         if choice.rate > best_rate:
             best = RowPlan(CACHE, choice.num_draft_tokens)
         plans.append(best)
