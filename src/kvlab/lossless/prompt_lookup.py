@@ -34,7 +34,7 @@ class PromptLookup(Drafter):
     """
 
     prior_acceptance: ClassVar[float] = 0.5
-    # Matches of COPYING_NGRAM tokens or more: the output is copying its context. Replaying SmolLM2's greedy
+    # Matches of `copying_ngram` tokens or more: the output is copying its context. Replaying SmolLM2's greedy
     # outputs with 4 drafts a step (docs/lookup-matches.json), 3-gram matches had 2.40 and 2.95 of 4 drafts
     # accepted a step (about 0.8 and 0.9 a draft), 1- and 2-gram matches 0.50 to 1.55 (0.35 to 0.6). With one
     # prior for both, a sequence whose compressed cache drafted well never tried its 8-gram matches (whose
