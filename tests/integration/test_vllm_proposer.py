@@ -152,6 +152,7 @@ def test_vllm_drafting_with_a_kvlab_compressor_keeps_greedy_output(spec_engine: 
     from kvlab.data import document_token_ids
     from kvlab.integrations.vllm.model import model_directory, transformers_model
 
+    proposer = proposer_of(spec_engine)  # drafting every step from here on
     document = document_token_ids(AutoTokenizer.from_pretrained(model_directory()), 300)
     prompts = [document[:160], document[160:260]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -160,7 +161,6 @@ def test_vllm_drafting_with_a_kvlab_compressor_keeps_greedy_output(spec_engine: 
     expected = generate(reference, prompts, GenerationConfig(max_new_tokens=24, ignore_eos=True))
     for row, (output, wanted) in enumerate(zip(outputs, expected.requests, strict=True)):
         assert list(output.outputs[0].token_ids) == wanted.token_ids, f"prompt {row} decoded differently"
-    proposer = proposer_of(spec_engine)
     assert proposer.stats.num_prefills == 2 and proposer.stats.num_draft_tokens > 0
     accepted = spec_decode_counter(spec_engine, "vllm:spec_decode_num_accepted_tokens")
     assert accepted > 0, "vLLM accepted none of the drafts"
