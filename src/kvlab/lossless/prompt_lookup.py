@@ -117,7 +117,8 @@ def find_match(context_ids: list[int] | np.ndarray, num_tokens: int, lookup: Pro
 
     One pass over the context finds the earlier occurrences of its last token; each is then extended
     backwards, up to `max_ngram` tokens, over those candidates only. Scanning the whole context once per n
-    cost 2.9 ms at 6.5K tokens where nothing matched: a vLLM step of 8 rows looks up every row."""
+    cost 0.64-0.73 ms at 6.5K tokens where nothing matched (now 4-6 us; one process, quiet): a vLLM step of 8
+    rows looks up every row."""
     tokens = np.asarray(context_ids, dtype=np.int64)
     length = len(tokens)
     if num_tokens < 1 or length < 2:
