@@ -319,7 +319,7 @@ def test_the_first_call_fits_the_draft_forward_on_synthetic_caches_and_adopts_no
     history = PROMPTS[0] + [17]
     drafts = propose(proposer, [history], pages.step([pages.write("a", history[:-1])]))
     assert proposer.costs.forwards.ready(proposer.draft_weights)
-    # The bootstrap's first plan: this row has no lookup, and its cache's turns ended with the fit.
+    # The bootstrap's first plan: this row has no lookup, and the bootstrap never drafts from the cache.
     assert drafts == [[]] and proposer.stats.num_adopted == 0 and proposer.stats.num_draft_forwards == 0
 
 

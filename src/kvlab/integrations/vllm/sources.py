@@ -31,14 +31,11 @@ LOOKUP, CACHE = "prompt_lookup", "compressed_cache"
 # The cost model's name for vLLM's step (the draft forwards go under the draft weights' name).
 VLLM_STEP = "vllm"
 # vLLM steps fitted before the plan trusts the fit. Until then rows propose rounds of every length from 0
-# to the most, in turn, from the lookup and the cache in turn (`bootstrap_plans`): steps where every row
+# to the most, in turn, from their lookups (`bootstrap_plans`): steps where every row
 # proposed its full round cannot tell a verify's cost from a plain step's, and a fit that priced verifies
 # wrongly kept every row plain for the rest of a request, so it never saw another verify (measured at 4K,
 # batch 1 and 4: 115 of 124 and 445 of 484 row steps proposed nothing).
 MIN_STEPS_FITTED = 8
-# Rows that take the compressed cache in the bootstrap (its draft forwards get fitted on them); the others
-# propose from their lookup or nothing, so a row whose plans never choose the cache is never adopted.
-BOOTSTRAP_CACHE_ROWS = 1
 # Rounds a row's adoption (window, compression, check: about 0.25 s for a 4K prompt, 0.5 s for 6.4K) is spread
 # over when a plan prices a row's first round from its cache: a row that adopts is expected to draft from its
 # cache again. Priced as free, adoption made rows take one cache round each: at batch 8 on a 6.4K prompt all
@@ -169,8 +166,7 @@ def plan_rows(rows: StepRows, max_tokens: int, costs: StepCosts, lookup_acceptan
     """
     if not costs.ready():
         costs.num_bootstrap_steps += 1
-        return bootstrap_plans([match.token_ids for match in rows.lookups], max_tokens, costs.num_bootstrap_steps,
-                               costs.forwards.ready(costs.weights))
+        return bootstrap_plans([match.token_ids for match in rows.lookups], max_tokens, costs.num_bootstrap_steps)
     # The rows drafting from their caches share each draft forward: first taken as those without a lookup,
     # then as the rows that chose the cache.
     sharing = max(sum(not match.token_ids for match in rows.lookups), 1)
@@ -217,23 +213,15 @@ def _plan_step(rows: StepRows, max_tokens: int, costs: StepCosts, lookup_accepta
     return plans
 
 
-def bootstrap_plans(lookups: list[list[int]], max_tokens: int, step: int, drafts_fitted: bool) -> list[RowPlan]:
-    """Rows' plans while the costs are not fitted: row i of step `step` proposes (step + i) mod
-    (max_tokens + 1) tokens (0: nothing), from its lookup where it has one, else nothing. Only while the draft
-    forwards are not fitted (the proposer fits them on synthetic caches at its first call) do the first
-    BOOTSTRAP_CACHE_ROWS rows also draft from their caches: where they have no lookup, and on every other
-    turn where they have one (so that the draft forward gets fitted; each costs an adoption)."""
+def bootstrap_plans(lookups: list[list[int]], max_tokens: int, step: int) -> list[RowPlan]:
+    """Rows' plans while vLLM's step is not fitted: row i of step `step` proposes (step + i) mod
+    (max_tokens + 1) tokens of its lookup (0, or no lookup: nothing). Never the compressed cache: its draft
+    forward is fitted on synthetic caches before the first plan (`StepCosts.calibrate_drafts`), and a row
+    drafting from it would first be adopted (0.25 to 0.5 s) only to be timed."""
     plans = []
     for index, lookup in enumerate(lookups):
-        length = (step + index) % (max_tokens + 1)
-        may_cache = index < BOOTSTRAP_CACHE_ROWS and not drafts_fitted
-        cache_turn = may_cache and (step + index) // (max_tokens + 1) % 2 == 1
-        if length == 0 or not (lookup or may_cache):
-            plans.append(RowPlan(None, 0))
-        elif lookup and not cache_turn:
-            plans.append(RowPlan(LOOKUP, min(length, len(lookup))))
-        else:
-            plans.append(RowPlan(CACHE, length))
+        length = min((step + index) % (max_tokens + 1), len(lookup))
+        plans.append(RowPlan(LOOKUP, length) if length else RowPlan(None, 0))
     return plans
 
 
