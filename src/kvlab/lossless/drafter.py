@@ -102,6 +102,11 @@ class Drafter(abc.ABC):
         knows its kinds apart before any is measured."""
         return self.prior_acceptance
 
+    @property
+    def round_tokens(self) -> int | None:
+        """The most tokens one of its rounds proposes, whatever it is asked (None: as many as asked)."""
+        return None
+
     @abc.abstractmethod
     def offer(self, host: RoundHost, state: RoundState, limit: int) -> Offer | None:
         """What it can propose this round, at most `limit` tokens (None: nothing this round)."""

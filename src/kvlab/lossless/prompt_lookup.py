@@ -56,6 +56,10 @@ class PromptLookup(Drafter):
         if self.num_draft_tokens < 1:
             raise ConfigError(f"prompt lookup must propose at least 1 token, got {self.num_draft_tokens}")
 
+    @property
+    def round_tokens(self) -> int:
+        return self.num_draft_tokens
+
     def prior_of(self, kind: str) -> float:
         """The prior of matches of `kind` (`LookupMatch.kind`, "<n>-gram")."""
         return self.prior_of_match(int(kind.partition("-")[0]))

@@ -433,3 +433,34 @@ def test_offers_of_different_kinds_are_judged_by_their_own_acceptance() -> None:
     long = planner.plan(Host(), state)  # type: ignore[arg-type]
     assert long.offer is not None and long.num_draft_tokens == 8, long
 
+
+
+class NoMatchLookup(KindDrafter):
+    """A forward-free drafter that proposes at most 4 tokens a round and has no match now."""
+
+    @property
+    def round_tokens(self) -> int:
+        return 4
+
+    def offer(self, host: RoundHost, state: LosslessState, limit: int) -> Offer | None:
+        return None
+
+
+def test_beside_a_lookup_auto_rounds_draft_from_the_cache_no_longer_than_a_lookup_round() -> None:
+    """Cache drafts always accepted and cheap: alone they draft long; beside a lookup of 4 tokens a round (no
+    match this round) at most 4, since once the output copies its context the lookup proposes it free; a fixed
+    length is kept."""
+    costs = DraftCosts(step_s=0.05, verify_token_s=0.001, draft_s=0.002, cheap_draft_s=0.002)
+    acceptance = Acceptance(0.5)
+    for _ in range(30):
+        acceptance.update(32, 32)
+    lengths = {}
+    for name, drafters, length in (("alone", [FreeDrafter({}, 0)], "auto"),
+                                   ("beside", [NoMatchLookup(), FreeDrafter({}, 0)], "auto"),
+                                   ("fixed", [NoMatchLookup(), FreeDrafter({}, 0)], 16)):
+        settings = LosslessConfig(create_compressor("snapkv", compression_ratio=0.9), length)  # type: ignore[arg-type]
+        state = FakeState(settings, drafters, {"scripted": dataclasses.replace(acceptance)})
+        plan = RoundPlanner(costs).plan(Host(), state)  # type: ignore[arg-type]
+        assert plan.offer is not None and plan.offer.drafter is drafters[-1], (name, plan)
+        lengths[name] = plan.num_draft_tokens
+    assert lengths["alone"] > 4 and lengths["beside"] == 4 and lengths["fixed"] == 16, lengths
