@@ -15,10 +15,10 @@ sequences also keeps its share of the served weights' fixed cost: their forward 
 the rounds of a batch being out of step), and `link_s` is its full KV over a
 slower tier's link (0 in memory). The planner takes the source and k with the most tokens per second,
 E(k) / round_s(k), or a plain step (k = 0) where 1 / plain_s is more; beside prompt lookup, a round drafts
-from the compressed cache no more tokens than a lookup round proposes (`_forward_limit`). Sequences that start their rounds
-in the same tick drafting from their compressed cache alone are planned as a group (`start_group`): one
-length for all, the one with the most summed tokens over summed seconds (the batch's goodput, as SmartSpec
-plans a batch step), so their draft forwards stay shared and their verifies land together.
+from the compressed cache no more tokens than a lookup round proposes (`_forward_limit`). Sequences that
+start their rounds in the same tick drafting from their compressed cache alone are planned as a group
+(`start_group`): one length for all, the one with the most summed tokens over summed seconds (the batch's
+goodput, as SmartSpec plans a batch step), so their draft forwards stay shared and their verifies land together.
 
 Exploration is in the estimate, not in timed windows. Whether to draft at all is decided with each
 a_i at its posterior mean plus `optimism` standard deviations; the length with half that optimism. So
