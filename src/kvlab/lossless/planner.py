@@ -319,9 +319,9 @@ def _forward_limit(drafters: list[Drafter], limit: int) -> int:
     rounds have a size of their own (prompt lookup): no more than theirs. A cache round whose drafts are all
     accepted is copying its context, which the lookup then proposes without a forward once it matches a few
     tokens; a longer cache round pays draft forwards for what the lookup gives free. Measured on the 4K
-    document at batch 1 (`ngram+snapkv-0.9`, served weights): rounds of 16 to 36 cache drafts, chosen because
-    their rate beat a plain step's, left `auto` at 0.73x and 0.75x the best fixed length (k=4) in two runs
-    (the second over two repeats); with the cap, in one process, 26.2 and 30.4 tokens/s against k=4's 25.2."""
+    document at batch 1 (`ngram+snapkv-0.9`, served weights, docs/lossless.md): rounds of 15 to 24 cache drafts,
+    chosen because their rate beat a plain step's, left `auto` at 0.73x and 0.75x the best fixed length (k=4);
+    capped, 1.13x (over two repeats, 32.39 and 32.07 tokens/s against 25.20 and 22.30 before)."""
     sizes = [drafter.round_tokens for drafter in drafters if drafter.round_tokens is not None]
     return min([limit, *sizes])
 
