@@ -314,6 +314,7 @@ class RoundPlanner:
             plans[id(state)] = RoundPlan(offer, length, estimate[credited][length], round_s(length), plain_s)
         return plans
 
+
 def _forward_limit(drafters: list[Drafter], limit: int) -> int:
     """The most tokens an `auto` round drafts forward by forward (from the compressed cache) beside drafters whose
     rounds have a size of their own (prompt lookup): no more than theirs. A cache round whose drafts are all
