@@ -434,7 +434,6 @@ def test_offers_of_different_kinds_are_judged_by_their_own_acceptance() -> None:
     assert long.offer is not None and long.num_draft_tokens == 8, long
 
 
-
 class NoMatchLookup(KindDrafter):
     """A forward-free drafter that proposes at most 4 tokens a round and has no match now."""
 
