@@ -16,6 +16,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from kvlab import attention_kernels
 from kvlab.cache import KVCache, forward
 from kvlab.compress import Compressor
 from kvlab.models import LoadedModel, wrap_model
@@ -239,3 +240,19 @@ class FakeClock:
     def sleep(self, seconds: float) -> None:
         self.slept.append(seconds)
         self.now += seconds
+
+
+def spy_on_newest_attention(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Every call of the C++ attention kernel from now on, as its sequences' query counts (one list a call)."""
+    calls: list[list[int]] = []
+    kernel = attention_kernels.NEWEST_ATTENTION
+    original = kernel.attend
+
+    def spy(folded: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor],
+            num_queries: list[int], scaling: float) -> list[torch.Tensor] | None:
+        calls.append(list(num_queries))
+        return original(folded, keys, values, num_queries, scaling)
+
+    monkeypatch.setattr(kernel, "attend", spy)
+    return calls
+

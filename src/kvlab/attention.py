@@ -168,8 +168,10 @@ def attend_newest(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     """Causal attention of one row's newest queries: the q queries are the last q of the T stored keys.
 
     The fast path for decoding and verifying one sequence. The query heads of each GQA group are
-    folded into query rows of their KV head ([1, H_kv, G*q, D], no copy of the keys). One query
-    sees every key: one unmasked call (on the CPU over a long float32 cache, `split_kv_decode`). A few
+    folded into query rows of their KV head ([1, H_kv, G*q, D], no copy of the keys). On the CPU over a
+    float32 cache, up to `NEWEST_ATTENTION_MAX_ROWS` rows (a decode step, a draft, a short verify) take the
+    C++ split-KV kernel. Otherwise one query sees every key: one unmasked call (over a long cache the
+    compiled `split_kv_decode`). A few
     queries (a verify, float32) take `folded_scores`: their scores over all T keys in one matrix product
     per KV head, the causal block masked in place; on the CPU over a long cache, `verify_in_pieces`,
     which spreads the keys evenly over the threads (both in `kvlab.attention_kernels`). Longer runs
@@ -192,6 +194,10 @@ def attend_newest(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     num_prefix = num_keys - num_queries
     folded = queries.reshape(1, kv_heads, group * num_queries, dim)
     cpu_float32 = keys.device.type == "cpu" and keys.dtype == torch.float32
+    if kernels.takes_newest_kernel(folded, keys):
+        outputs = kernels.NEWEST_ATTENTION.attend([folded[0]], [keys], [values], [num_queries], scaling)
+        assert outputs is not None
+        return outputs[0].reshape(1, heads, num_queries, dim)
     if num_queries == 1:
         if num_keys >= kernels.SPLIT_KV_MIN_KEYS and cpu_float32:
             output = kernels.SPLIT_KV.attend(folded, keys, values, scaling)
@@ -220,6 +226,42 @@ def attend_newest(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     prefix = prefix.reshape(1, heads, num_queries, dim)
     prefix_lse = prefix_lse.reshape(1, heads, num_queries)
     return merge_attention(prefix, prefix_lse, block, block_lse).to(queries.dtype)
+
+
+def attend_newest_each(
+    queries: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor], scaling: float
+) -> list[torch.Tensor]:
+    """`attend_newest` for several sequences (a packed forward's segments): those the C++ split-KV kernel takes
+    (`kvlab.attention_kernels.takes_newest_kernel`: decode steps, drafts, short verifies) in one call, whose
+    work items (sequence x KV head x chunk of keys) spread over the threads, the others one by one. Each
+    sequence's output is the one `attend_newest` gives it alone, bit for bit (its chunks and their merge do
+    not depend on the others).
+
+    Args:
+        queries: Per sequence [1, H, q, D], rotary applied (any float dtype: attention runs in the keys').
+        keys, values: Per sequence [1, H_kv, T, D], the queries' own keys last.
+        scaling: Softmax scale.
+
+    Returns:
+        Per sequence [1, H, q, D] in its queries' dtype.
+    """
+    outputs: list[torch.Tensor | None] = [None] * len(queries)
+    together: list[tuple[int, torch.Tensor]] = []
+    for index, (query, key, value) in enumerate(zip(queries, keys, values, strict=True)):
+        folded = query.to(key.dtype).reshape(key.shape[1], -1, query.shape[-1])  # [H_kv, G*q, D]
+        if len(queries) > 1 and kernels.takes_newest_kernel(folded, key):
+            together.append((index, folded))
+        else:
+            outputs[index] = attend_newest(query.to(key.dtype), key, value, scaling).to(query.dtype)
+    if together:
+        indices = [index for index, _ in together]
+        results = kernels.NEWEST_ATTENTION.attend(
+            [folded for _, folded in together], [keys[i] for i in indices], [values[i] for i in indices],
+            [queries[i].shape[2] for i in indices], scaling)
+        assert results is not None
+        for index, result in zip(indices, results, strict=True):
+            outputs[index] = result.reshape(queries[index].shape).to(queries[index].dtype)
+    return [output for output in outputs if output is not None]
 
 
 # Up to this many queries per row `attend_newest` materializes the scores (H * q * T floats; in pieces, the

@@ -1,23 +1,34 @@
 """Float32 attention kernels behind `kvlab.attention.attend_newest`: one query's split-KV decode and a
 verify's key pieces on the CPU, a few queries' scores written out as matrix products anywhere.
 
-On the CPU the generic kernels leave the two cores idle or unbalanced. One query over a long cache (a
-plain or draft step) streams its keys through `split_kv_decode`, compiled by inductor. A few queries
-over a long cache (a verify) are arithmetic, and the flash kernel parallelizes over batch x heads only:
-with SmolLM2's 3 KV heads on 2 threads, one thread waits while the other takes the third head.
-`verify_in_pieces` makes the key axis a batch axis (pieces are views, nothing is copied) so the work
-splits evenly, and merges the pieces by their log-sum-exp. Every path
-here is tested against the masked reference (`kvlab.attention.attend_newest_reference`).
+On the CPU the generic kernels leave the two cores idle or unbalanced. One query over a cache (a plain or
+draft step) takes the C++ split-KV kernel (`NEWEST_ATTENTION`, `kernels/decode_attention.cpp`), which
+takes every one-token segment of a packed forward in one call, its sequences, KV heads and chunks of keys
+spread over the threads; where it cannot be built, `split_kv_decode`, compiled by inductor, over long
+caches. A few queries over a long cache (a verify) are arithmetic, and the flash kernel parallelizes over
+batch x heads only: with SmolLM2's 3 KV heads on 2 threads, one thread waits while the other takes the
+third head. `verify_in_pieces` makes the key axis a batch axis (pieces are views, nothing is copied) so
+the work splits evenly, and merges the pieces by their log-sum-exp. Every path here is tested against
+the masked reference (`kvlab.attention.attend_newest_reference`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import math
+import os
+import platform
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
 
 import torch
+
+from kvlab import paths
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +120,8 @@ def warm_up_split_kv(kv_heads: int, group: int, head_dim: int) -> bool:
     looks like a forward's (separate views of longer key and value buffers made outside inference mode,
     queries made inside it): a graph compiled for other strides, aliasing, dispatch keys or grad mode was
     compiled again inside the first long request."""
+    if NEWEST_ATTENTION.ready():  # one query takes the C++ kernel: nothing to compile
+        return True
     ready = True
     for capacity in (2 * SPLIT_KV_MIN_KEYS, 3 * SPLIT_KV_MIN_KEYS):
         keys, values = (torch.zeros(1, kv_heads, capacity, head_dim)[:, :, : SPLIT_KV_MIN_KEYS + 1] for _ in range(2))
@@ -116,6 +129,104 @@ def warm_up_split_kv(kv_heads: int, group: int, head_dim: int) -> bool:
             folded = torch.zeros(1, kv_heads, group, head_dim)
             ready = ready and SPLIT_KV.attend(folded, keys, values, head_dim**-0.5) is not None
     return ready
+
+
+class NewestAttentionKernel:
+    """The C++ split-KV kernel (`kernels/decode_attention.cpp` beside this file): attention of each sequence's
+    newest queries over its float32 cache, every sequence, KV head and chunk of keys one work item of one
+    parallel loop. Built at first use by torch's extension builder (g++ and ninja, for this CPU: the build
+    directory is per CPU model and environment under the kvlab cache directory, about 30 s once; loading a
+    built one takes a fraction of a second), under a lock; where building
+    fails it says so once and returns None from then on: the caller takes the compiled `split_kv_decode`."""
+
+    def __init__(self) -> None:
+        self._module: ModuleType | None = None
+        self._failed = False
+        self._aside = False
+        self._lock = threading.Lock()
+
+    def ready(self) -> bool:
+        """Whether the kernel is built (building it now if it was not tried yet) and not set aside."""
+        if self._aside:
+            return False
+        if self._module is None and not self._failed:
+            with self._lock:
+                if self._module is None and not self._failed:
+                    try:
+                        self._module = _build_newest_attention()
+                    except Exception as error:  # no compiler, no ninja, a failed build: the other paths remain
+                        self._failed = True
+                        logger.warning("the C++ attention kernel could not be built (%s); decoding takes the "
+                                       "compiled split-KV path", error)
+        return self._module is not None
+
+    @contextlib.contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """Within this block the kernel is not used and its callers take their fallbacks (for comparisons and
+        for testing the fallbacks)."""
+        self._aside = True
+        try:
+            yield
+        finally:
+            self._aside = False
+
+    def attend(self, folded: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor],
+               num_queries: list[int], scaling: float) -> list[torch.Tensor] | None:
+        """[H_kv, G*q, D] per sequence for its folded queries [H_kv, G*q, D] (row = g * q + query) over keys
+        and values [1, H_kv, T, D] (float32 on the CPU, last dimension contiguous, the queries' own keys
+        last); None where the kernel is not built."""
+        if not self.ready():
+            return None
+        assert self._module is not None
+        return self._module.newest_attention(folded, keys, values, num_queries, scaling, NEWEST_ATTENTION_CHUNK)
+
+
+# Keys per work item of the C++ kernel: at 8064 keys, 3 KV heads x 16 chunks = 48 items spread over the threads.
+NEWEST_ATTENTION_CHUNK = 512
+# The most query rows per KV head (G x q) the C++ kernel takes; more go to the matrix-product paths, whose
+# GEMMs do a row's scores cheaper. Measured on 2 cores of an EPYC (SmolLM2, G = 3, 30 layers, interleaved):
+# at 8064 keys 2 queries took 33.8 ms against 66.8, 5 49.1 against 57.6, 6 49.2 against 53.5, 7 59.2
+# against 58.0, 9 73.6 against 65.9; at 4096 keys and below it was ahead up to 9 queries.
+NEWEST_ATTENTION_MAX_ROWS = 18
+
+
+def takes_newest_kernel(folded: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether queries folded as [.., H_kv, G*q, D] over `keys` take the C++ kernel: float32 on the CPU, at most
+    `NEWEST_ATTENTION_MAX_ROWS` rows per KV head, and the kernel built."""
+    return (keys.device.type == "cpu" and keys.dtype == torch.float32 and folded.shape[-2] <= NEWEST_ATTENTION_MAX_ROWS
+            and NEWEST_ATTENTION.ready())
+
+
+def _build_newest_attention() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    source = Path(__file__).with_name("kernels") / "decode_attention.cpp"
+    build_dir = paths.cache_dir() / "torch_extensions" / f"decode_attention-{_build_fingerprint()}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # ninja may be installed beside this interpreter (a venv not on PATH).
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return cpp_extension.load(
+        name="kvlab_decode_attention", sources=[str(source)], build_directory=str(build_dir),
+        extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
+    )
+
+
+def _build_fingerprint() -> str:
+    """A short name for this CPU's model and flags (the kernel is built with -march=native), the environment,
+    the interpreter and torch (the module is built against them)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+    except OSError:
+        cpu = platform.processor()
+    # The environment too: torch's builder rebuilds when its include paths change, so two venvs sharing one
+    # directory would rebuild each other's module in turn.
+    built_for = f"{platform.machine()} {cpu} {sys.prefix} {sys.implementation.cache_tag} {torch.__version__}"
+    return hashlib.sha256(built_for.encode()).hexdigest()[:12]
+
+
+NEWEST_ATTENTION = NewestAttentionKernel()
+"""The process's C++ kernel (built once per process and CPU model)."""
 
 
 # `verify_in_pieces` from this many keys before the queries and this many queries (up to

@@ -9,12 +9,14 @@ from kvlab import attention_kernels
 from kvlab.attention import (
     FOLDED_SCORES_MAX_QUERIES,
     attend_newest,
+    attend_newest_each,
     attend_newest_reference,
     attention_with_lse,
     attention_with_lse_reference,
     merge_attention,
 )
 from kvlab.attention_kernels import SPLIT_KV_CHUNK, SPLIT_KV_MIN_KEYS, split_kv_decode, warm_up_split_kv
+from tests.helpers import spy_on_newest_attention
 
 # Float32 results of the split path differ from one masked kernel only in the reduction order.
 TOLERANCE = 1e-5
@@ -151,13 +153,27 @@ def test_a_verify_over_a_long_cache_takes_the_key_pieces(monkeypatch: pytest.Mon
     shapes = [(attention_kernels.PIECES_MIN_KEYS - 1, fewest), (attention_kernels.PIECES_MIN_KEYS, fewest - 1),
               (attention_kernels.PIECES_MIN_KEYS, most + 1), (attention_kernels.PIECES_MIN_KEYS, fewest),
               (attention_kernels.PIECES_MIN_KEYS, most)]
-    for num_prefix, num_queries in shapes:
+    with attention_kernels.NEWEST_ATTENTION.set_aside():  # the routing without the C++ kernel
+        for num_prefix, num_queries in shapes:
+            queries = torch.randn(1, 9, num_queries, 64, generator=generator)
+            keys, values = stored(3, num_prefix + num_queries, generator)
+            output = attend_newest(queries, keys, values, 0.125)
+            reference = attend_newest_reference(queries, keys, values, 0.125)
+            torch.testing.assert_close(output, reference, rtol=TOLERANCE, atol=TOLERANCE)
+    assert taken == [2, 2], "only verifies of PIECES_MIN_QUERIES to 64 queries past PIECES_MIN_KEYS keys take them"
+
+
+def test_steps_and_short_verifies_take_the_cpp_kernel_longer_ones_the_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = spy_on_newest_attention(monkeypatch)
+    generator = torch.Generator().manual_seed(19)
+    most = attention_kernels.NEWEST_ATTENTION_MAX_ROWS // 3
+    for num_keys, num_queries in [(20, 1), (5000, 1), (5000, 2), (5000, most), (5000, most + 1), (40, most + 1)]:
         queries = torch.randn(1, 9, num_queries, 64, generator=generator)
-        keys, values = stored(3, num_prefix + num_queries, generator)
+        keys, values = stored(3, num_keys, generator)
         output = attend_newest(queries, keys, values, 0.125)
         reference = attend_newest_reference(queries, keys, values, 0.125)
         torch.testing.assert_close(output, reference, rtol=TOLERANCE, atol=TOLERANCE)
-    assert taken == [2, 2], "only verifies of PIECES_MIN_QUERIES to 64 queries past PIECES_MIN_KEYS keys take them"
+    assert calls == [[1], [1], [2], [most]], calls
 
 
 def test_one_query_over_a_long_cache_takes_the_compiled_split_path_for_every_length() -> None:
@@ -181,7 +197,9 @@ def test_attend_newest_takes_sdpa_once_compiling_fails(monkeypatch: pytest.Monke
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(attention_kernels, "SPLIT_KV", attention_kernels.CompiledSplitKV())
+    monkeypatch.setattr(attention_kernels, "NEWEST_ATTENTION", attention_kernels.NewestAttentionKernel())
     monkeypatch.setattr(torch, "compile", no_compiler)
+    monkeypatch.setattr(attention_kernels, "_build_newest_attention", no_compiler)
     generator = torch.Generator().manual_seed(13)
     queries = torch.randn(1, 9, 1, 64, generator=generator)
     keys, values = stored(3, SPLIT_KV_MIN_KEYS + 5, generator)
@@ -191,11 +209,61 @@ def test_attend_newest_takes_sdpa_once_compiling_fails(monkeypatch: pytest.Monke
     sdpa = torch.nn.functional.scaled_dot_product_attention(
         queries.reshape(1, 3, 3, 64), keys, values, scale=0.125).reshape(1, 9, 1, 64)
     assert torch.equal(first, sdpa) and torch.equal(second, sdpa)
-    assert [record.message.count("could not be compiled") for record in caplog.records] == [1], "warned once"
+    messages = [record.message for record in caplog.records]
+    assert len(messages) == 2, messages
+    assert "could not be built" in messages[0] and "could not be compiled" in messages[1], "each warned once"
 
 
-def test_warming_up_compiles_the_split_path_before_the_first_long_cache() -> None:
-    assert warm_up_split_kv(kv_heads=3, group=3, head_dim=64), "the compiled split-KV path is not ready"
+def test_warming_up_readies_the_one_query_path_before_the_first_long_cache() -> None:
+    assert warm_up_split_kv(kv_heads=3, group=3, head_dim=64), "neither one-query path is ready"
+    assert attention_kernels.NEWEST_ATTENTION.ready(), "the C++ kernel did not build here (g++ and ninja?)"
+
+
+# Keys: fewer than a block, one block and one over, chunk boundaries (512), several chunks.
+@pytest.mark.parametrize("num_keys", [1, 2, 15, 16, 17, 511, 512, 513, 1100])
+@pytest.mark.parametrize(("heads", "kv_heads", "num_queries"), [(9, 3, 1), (4, 1, 1), (4, 4, 1), (9, 3, 9), (4, 2, 3)])
+def test_the_cpp_kernel_matches_the_masked_reference(num_keys: int, heads: int, kv_heads: int,
+                                                     num_queries: int) -> None:
+    if num_queries > num_keys:
+        pytest.skip("more queries than keys")
+    generator = torch.Generator().manual_seed(num_keys * 7 + heads + num_queries)
+    queries = torch.randn(1, heads, num_queries, 64, generator=generator)
+    keys, values = stored(kv_heads, num_keys, generator)
+    folded = queries.reshape(kv_heads, heads // kv_heads * num_queries, 64)
+    outputs = attention_kernels.NEWEST_ATTENTION.attend([folded], [keys], [values], [num_queries], 0.125)
+    assert outputs is not None, "the C++ kernel did not build here (g++ and ninja?)"
+    output = outputs[0].reshape(1, heads, num_queries, 64)
+    reference = attend_newest_reference(queries, keys, values, 0.125)
+    torch.testing.assert_close(output, reference, rtol=TOLERANCE, atol=TOLERANCE)
+    assert torch.equal(output.argmax(dim=-1), reference.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 80])  # sizes the kernel is specialized for, and one it is not
+def test_the_cpp_kernel_serves_every_head_size(head_dim: int) -> None:
+    generator = torch.Generator().manual_seed(head_dim)
+    queries = torch.randn(1, 4, 1, head_dim, generator=generator)
+    keys = torch.randn(1, 2, 700, head_dim, generator=generator)
+    values = torch.randn(1, 2, 700, head_dim, generator=generator)
+    output = attention_kernels.NEWEST_ATTENTION.attend([queries.reshape(2, 2, head_dim)], [keys], [values], [1], 0.1)
+    assert output is not None
+    reference = attend_newest_reference(queries, keys, values, 0.1)
+    torch.testing.assert_close(output[0].reshape(1, 4, 1, head_dim), reference, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_one_call_for_several_sequences_gives_each_what_it_gets_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`attend_newest_each` (a packed forward's one-token segments): each sequence's output is bit for bit
+    `attend_newest`'s for it alone, whatever its length and its queries' dtype; and the kernel is called once."""
+    generator = torch.Generator().manual_seed(17)
+    lengths = [1, 40, 513, 2000]
+    queries = [torch.randn(1, 9, 1, 64, generator=generator) for _ in lengths]
+    queries[1] = queries[1].to(torch.bfloat16)  # a draft on bf16 weights
+    kv = [stored(3, length, generator) for length in lengths]
+    calls = spy_on_newest_attention(monkeypatch)
+    together = attend_newest_each(queries, [k for k, _ in kv], [v for _, v in kv], 0.125)
+    assert calls == [[1] * len(lengths)], calls
+    for query, (keys, values), output in zip(queries, kv, together, strict=True):
+        alone = attend_newest(query.to(torch.float32), keys, values, 0.125).to(query.dtype)
+        assert output.dtype == query.dtype and torch.equal(output, alone)
 
 
 _FIRST_LONG_STEP = """
@@ -205,13 +273,15 @@ from kvlab.attention_kernels import warm_up_split_kv
 from kvlab.cache import KVCache, Segment, forward, run_packed
 from tests.helpers import tiny_llama
 
+from kvlab import attention_kernels
 loaded = tiny_llama(num_kv_heads=2)
 architecture = loaded.architecture
-assert warm_up_split_kv(architecture.num_kv_heads, architecture.num_kv_groups, architecture.head_dim)
-graphs = counters["stats"]["unique_graphs"]
-cache = KVCache.allocate(architecture, 1, 1200, torch.float32, "cpu", None)  # capacity past the keys
-forward(loaded.model, cache, torch.randint(3, 90, (1, 900)))
-run_packed(loaded.model, [Segment(cache, 1)], [[7]], [0])  # the engine's decode step: the compiled split path
+with attention_kernels.NEWEST_ATTENTION.set_aside():  # the compiled split path, the C++ kernel's fallback
+    assert warm_up_split_kv(architecture.num_kv_heads, architecture.num_kv_groups, architecture.head_dim)
+    graphs = counters["stats"]["unique_graphs"]
+    cache = KVCache.allocate(architecture, 1, 1200, torch.float32, "cpu", None)  # capacity past the keys
+    forward(loaded.model, cache, torch.randint(3, 90, (1, 900)))
+    run_packed(loaded.model, [Segment(cache, 1)], [[7]], [0])  # the engine's decode step: the split path
 print(graphs, counters["stats"]["unique_graphs"])
 """
 
@@ -230,3 +300,18 @@ def test_after_warming_up_the_first_long_decode_step_compiles_nothing() -> None:
     before, after = result.stdout.split()[-2:]
     assert int(before) >= 1, "warming up compiled nothing"
     assert after == before, "the first long decode step compiled the split path again"
+
+
+@pytest.mark.parametrize("num_keys", [40, 530, 1100])
+def test_a_verify_row_in_the_cpp_kernel_is_the_plain_step_at_its_position_bit_for_bit(num_keys: int) -> None:
+    """Query i of a verify of q tokens sees the keys up to its own, as the plain step at its position does: the
+    kernel gives both the same output, bit for bit, wherever the keys end within a block or a chunk."""
+    generator = torch.Generator().manual_seed(num_keys)
+    num_queries = attention_kernels.NEWEST_ATTENTION_MAX_ROWS // 3
+    queries = torch.randn(1, 9, num_queries, 64, generator=generator)
+    keys, values = stored(3, num_keys, generator)
+    verify = attend_newest(queries, keys, values, 0.125)
+    for i in range(num_queries):
+        visible = num_keys - num_queries + i + 1
+        step = attend_newest(queries[:, :, i : i + 1], keys[:, :, :visible], values[:, :, :visible], 0.125)
+        assert torch.equal(verify[:, :, i : i + 1], step), i

@@ -73,6 +73,12 @@ class KVLayer(abc.ABC):
         """
         return self.attend(queries, query_positions, scaling, softcap)
 
+    def newest_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The keys and values [1, H_kv, T, D] a one-row layer's newest query attends over with nothing
+        hidden from it (no window, no gaps): what a packed forward gathers into one attention call for all
+        its one-token segments; None where the layer attends its own way (`attend_newest`)."""
+        return None
+
     @abc.abstractmethod
     def drop_last(self, counts: list[int]) -> None:
         """Forget the `counts[b]` most recently appended tokens of each row b (a rollback)."""
@@ -199,12 +205,20 @@ class FullKVLayer(KVLayer):
     def attend_newest(
         self, queries: torch.Tensor, query_positions: torch.Tensor, scaling: float, softcap: float | None = None
     ) -> torch.Tensor:
-        num_keys = self.lengths[0]
-        windowed = self.sliding_window is not None and num_keys > self.sliding_window
-        if len(self.lengths) != 1 or windowed or softcap is not None:
+        stored = None if softcap is not None else self._newest_views()
+        if stored is None:
             return self.attend(queries, query_positions, scaling, softcap)
-        keys, values = self.keys[:, :, :num_keys], self.values[:, :, :num_keys]
+        keys, values = stored
         return attend_newest(queries.to(keys.dtype), keys, values, scaling).to(queries.dtype)
+
+    def newest_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self._newest_views()
+
+    def _newest_views(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        num_keys = self.lengths[0]
+        if len(self.lengths) != 1 or (self.sliding_window is not None and num_keys > self.sliding_window):
+            return None
+        return self.keys[:, :, :num_keys], self.values[:, :, :num_keys]
 
     def drop_last(self, counts: list[int]) -> None:
         if any(count < 0 or count > length for count, length in zip(counts, self.lengths, strict=True)):

@@ -7,6 +7,7 @@ import dataclasses
 import torch
 from transformers import PreTrainedModel
 
+from kvlab.attention import attend_newest_each
 from kvlab.cache.kv_cache import KVCache
 from kvlab.models.decoder_forward import causal_lm_forward
 
@@ -135,7 +136,9 @@ class Segment:
 class PackedStep:
     """A forward over several sequences packed into one row of tokens, each attending over its own
     cache (draft and full caches may mix). Linear layers read the weights once for every segment;
-    attention runs per segment, whose queries are always the newest keys of its cache."""
+    attention runs per segment, whose queries are always the newest keys of its cache; the segments whose
+    layers show their keys plainly (`KVLayer.newest_kv`) go to `kvlab.attention.attend_newest_each`, which
+    takes the decode steps, drafts and short verifies among them in one kernel call."""
 
     segments: list[Segment]
     positions: list[torch.Tensor]  # per segment, [1, q] int64 true positions
@@ -149,8 +152,11 @@ class PackedStep:
         scaling: float,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        outputs, start = [], 0
-        for segment, positions in zip(self.segments, self.positions, strict=True):
+        outputs: list[torch.Tensor | None] = []
+        # Segments over plainly visible keys (decode and draft steps, verifies) attend together.
+        stepping: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        start = 0
+        for index, (segment, positions) in enumerate(zip(self.segments, self.positions, strict=True)):
             end = start + segment.num_tokens
             keys, values = new_keys[:, :, start:end], new_values[:, :, start:end]
             if segment.captured is not None:
@@ -158,11 +164,23 @@ class PackedStep:
             layer = segment.cache.layers[layer_idx]
             layer.append(keys, values)
             segment_queries = queries[:, :, start:end]
-            outputs.append(layer.attend_newest(segment_queries, positions, scaling, softcap))
-            if segment.compress:
-                layer.compress_prompt(segment_queries, scaling, layer_idx)
+            stored = layer.newest_kv() if softcap is None and not segment.compress else None
+            if stored is not None:
+                stepping.append((index, segment_queries, *stored))
+                outputs.append(None)
+            else:
+                outputs.append(layer.attend_newest(segment_queries, positions, scaling, softcap))
+                if segment.compress:
+                    layer.compress_prompt(segment_queries, scaling, layer_idx)
             start = end
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+        if stepping:
+            indices, step_queries, step_keys, step_values = zip(*stepping, strict=True)
+            for index, output in zip(indices, attend_newest_each(
+                    list(step_queries), list(step_keys), list(step_values), scaling), strict=True):
+                outputs[index] = output
+        ready = [output for output in outputs if output is not None]
+        assert len(ready) == len(outputs)
+        return ready[0] if len(ready) == 1 else torch.cat(ready, dim=2)
 
 
 @torch.inference_mode()

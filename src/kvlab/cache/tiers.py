@@ -170,6 +170,12 @@ class TieredKVLayer(FullKVLayer):
         self._await([0], consume=True)
         return FullKVLayer.attend_newest(self, queries, query_positions, scaling, softcap)
 
+    def newest_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        views = self._newest_views()
+        if views is not None:  # the row's full KV has landed in the buffers the views show
+            self._await([0], consume=True)
+        return views
+
     def select_rows(self, rows: list[int]) -> None:
         super().select_rows(rows)
         self.slots = [self.slots[row] for row in rows]

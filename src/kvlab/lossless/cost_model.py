@@ -10,7 +10,7 @@ T_i tokens its cache holds, so its attention reads T_i + q_i keys with q_i queri
 - c0: reading the weights once (and the forward's fixed host work), shared by every segment;
 - c1: the linear layers' work per token;
 - c2: attention reading a one-query segment's keys and values (a plain or draft step), per thousand keys:
-  the split-KV decode path (`kvlab.attention_kernels.split_kv_decode`), which streams them;
+  the split-KV decode path (`kvlab.attention_kernels.NEWEST_ATTENTION`), which streams them;
 - c3: the same read by a segment of several queries (a verify), which takes other paths (scores written
   out as matrix products; over long caches, key pieces through the flash kernel): at 8K keys it reads them
   several times slower, so one coefficient for both would price a batch's plain steps at what its

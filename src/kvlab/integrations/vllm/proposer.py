@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from kvlab.attention_kernels import warm_up_split_kv
 from kvlab.compress import Compressor
 from kvlab.engine import Feed, PackedBatch, pack, run_batch, run_to_end
 from kvlab.errors import ConfigError
@@ -136,6 +137,8 @@ class KVLabDraftProposer:
         """Load the served checkpoint for kvlab's attention (vLLM's module cannot use a kvlab cache)."""
         self.model = transformers_model(self.directory, self.dtype)
         draft_model(self.model.model, self.draft_weights)  # made once now, not in the first step
+        architecture = self.model.architecture  # the draft attention's kernel too (built once per machine)
+        warm_up_split_kv(architecture.num_kv_heads, architecture.num_kv_groups, architecture.head_dim)
         target_vocab = getattr(getattr(target_model, "config", None), "vocab_size", None)
         if target_vocab is not None and target_vocab != self.model.model.config.vocab_size:
             raise ConfigError(f"KVLabDraftProposer: the drafter's vocabulary ({self.model.model.config.vocab_size}) "
