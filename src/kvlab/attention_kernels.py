@@ -115,8 +115,10 @@ SPLIT_KV = CompiledSplitKV()
 
 
 def warm_up_split_kv(kv_heads: int, group: int, head_dim: int) -> bool:
-    """Compile `split_kv_decode` for a model's geometry now (about 2 s with inductor's disk cache warm, 10 s
-    cold), so no timed step or first long request pays for it; returns whether the path is ready. The call
+    """Make one query's fast path ready now, so no timed step or first long request pays for it: the C++
+    kernel built or loaded (about 30 s the first time on a machine, a fraction of a second after), else
+    `split_kv_decode` compiled for a model's geometry (about 2 s with inductor's disk cache warm, 10 s
+    cold); returns whether either is ready. The compiling call
     looks like a forward's (separate views of longer key and value buffers made outside inference mode,
     queries made inside it): a graph compiled for other strides, aliasing, dispatch keys or grad mode was
     compiled again inside the first long request."""

@@ -74,9 +74,10 @@ class KVLayer(abc.ABC):
         return self.attend(queries, query_positions, scaling, softcap)
 
     def newest_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The keys and values [1, H_kv, T, D] a one-row layer's newest query attends over with nothing
-        hidden from it (no window, no gaps): what a packed forward gathers into one attention call for all
-        its one-token segments; None where the layer attends its own way (`attend_newest`)."""
+        """The keys and values [1, H_kv, T, D] a one-row layer's newest queries attend over with nothing
+        hidden from them but their own future (no window): what a packed forward hands, with its other
+        segments', to `kvlab.attention.attend_newest_each`; None where the layer attends its own way
+        (`attend_newest`)."""
         return None
 
     @abc.abstractmethod
