@@ -3,7 +3,8 @@
 // batch's attention is one call and 3 KV heads still spread over any number of threads. Each item
 // streams its keys and values once (blocks of kBlock keys: scores, an online softmax, weighted values);
 // the items of a (sequence, head) are merged in order by their log-sum-exp, so the result does not
-// depend on the thread count. Built by `kvlab.kernels` (torch.utils.cpp_extension) at first use.
+// depend on the thread count. Built at first use by `kvlab.attention_kernels.NEWEST_ATTENTION`
+// (torch.utils.cpp_extension).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
