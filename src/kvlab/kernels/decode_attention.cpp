@@ -129,8 +129,9 @@ std::vector<at::Tensor> newest_attention(const std::vector<at::Tensor>& queries,
                 "rows must be whole groups of the newest queries");
     scaled[i] = (queries[i] * scaling).contiguous();
     max_rows = std::max(max_rows, queries[i].size(1));
+    TORCH_CHECK(i == 0 || queries[i].size(2) == dim, "one head size for every sequence");
     dim = queries[i].size(2);
-    TORCH_CHECK(k.size(-1) == dim, "one head size for every sequence");
+    TORCH_CHECK(k.size(-1) == dim, "keys and queries of one head size");
     first_item[i] = static_cast<int64_t>(items.size());
     const int64_t num_keys = k.size(-2);
     for (int64_t head = 0; head < k.size(-3); ++head)
