@@ -180,7 +180,9 @@ class RoundPlanner:
         if id(state) in group and (len(group) > 1 or id(state) in self.batch.group_plans):
             if id(state) not in self.batch.group_plans:  # the group's first member to plan plans for all
                 self.batch.group_plans = self._plan_group(list(group.values()))
-            plan = self.batch.group_plans.pop(id(state))
+            # Planned when the group's first member planned, before this one emitted its last round: its
+            # remaining budget may have shrunk since (a round past it would count drafts never emitted).
+            plan = _within(self.batch.group_plans.pop(id(state)), limit)
             del group[id(state)]
             _age_unused(state, plan)
             return self._taken(state, plan)
@@ -325,6 +327,15 @@ def _forward_limit(drafters: list[Drafter], limit: int) -> int:
     capped, 1.13x (over two repeats, 32.39 and 32.07 tokens/s against 25.20 and 22.30 before)."""
     sizes = [drafter.round_tokens for drafter in drafters if drafter.round_tokens is not None]
     return min([limit, *sizes])
+
+
+def _within(plan: RoundPlan, limit: int) -> RoundPlan:
+    """`plan` with at most `limit` drafts (a plain step where none may be drafted)."""
+    if plan.num_draft_tokens <= limit:
+        return plan
+    if limit == 0:
+        return RoundPlan(None, 0, 1.0, plan.plain_s, plan.plain_s)
+    return dataclasses.replace(plan, num_draft_tokens=limit)
 
 
 def _in_step(state: PlannedState) -> bool:

@@ -463,3 +463,31 @@ def test_beside_a_lookup_auto_rounds_draft_from_the_cache_no_longer_than_a_looku
         assert plan.offer is not None and plan.offer.drafter is drafters[-1], (name, plan)
         lengths[name] = plan.num_draft_tokens
     assert lengths["alone"] > 4 and lengths["beside"] == 4 and lengths["fixed"] == 16, lengths
+
+
+class ShortHost(Host):
+    """A sequence with `left` tokens still to generate."""
+
+    def __init__(self, left: int) -> None:
+        self.left = left
+
+    def remaining(self) -> int:
+        return self.left
+
+
+def test_a_group_members_round_stays_within_what_it_may_still_generate() -> None:
+    """Sequences planning together are planned when the first of them plans, before the others have emitted
+    their last round: a member whose budget shrank since drafts no more than it may still emit (else the
+    round's accepted drafts would be counted and never emitted), and none where one token is left."""
+    planner = RoundPlanner(DraftCosts(draft_s=0.002, cheap_draft_s=0.002, step_s=0.05))
+    settings = LosslessConfig(create_compressor("snapkv", compression_ratio=0.9), "auto")
+    states = [FakeState(settings, [FreeDrafter({}, 0)], {}) for _ in range(3)]
+    hosts = [ShortHost(200), ShortHost(200), ShortHost(200)]
+    planner.start_group(list(zip(hosts, states, strict=True)))  # type: ignore[arg-type]
+    first = planner.plan(hosts[0], states[0])  # type: ignore[arg-type]
+    assert first.offer is not None and first.num_draft_tokens > 3, first
+    hosts[1].left, hosts[2].left = 4, 1  # their last rounds emitted since
+    second = planner.plan(hosts[1], states[1])  # type: ignore[arg-type]
+    third = planner.plan(hosts[2], states[2])  # type: ignore[arg-type]
+    assert second.num_draft_tokens == 3 and second.offer is not None, second
+    assert third.num_draft_tokens == 0 and third.offer is None, third
