@@ -1,11 +1,11 @@
 """Float32 attention kernels behind `kvlab.attention.attend_newest`: one query's split-KV decode and a
 verify's key pieces on the CPU, a few queries' scores written out as matrix products anywhere.
 
-On the CPU the generic kernels leave the two cores idle or unbalanced. One query over a cache (a plain or
-draft step) takes the C++ split-KV kernel (`NEWEST_ATTENTION`, `kernels/decode_attention.cpp`), which
-takes every one-token segment of a packed forward in one call, its sequences, KV heads and chunks of keys
-spread over the threads; where it cannot be built, `split_kv_decode`, compiled by inductor, over long
-caches. A few queries over a long cache (a verify) are arithmetic, and the flash kernel parallelizes over
+On the CPU the generic kernels leave the two cores idle or unbalanced. Up to `NEWEST_ATTENTION_MAX_ROWS`
+query rows per KV head (a plain or draft step, a short verify) take the C++ split-KV kernel
+(`NEWEST_ATTENTION`, `kernels/decode_attention.cpp`), which takes all such segments of a packed forward in
+one call, their sequences, KV heads and chunks of keys spread over the threads; where it cannot be built,
+one query over a long cache takes `split_kv_decode`, compiled by inductor. A few queries over a long cache (a verify) are arithmetic, and the flash kernel parallelizes over
 batch x heads only: with SmolLM2's 3 KV heads on 2 threads, one thread waits while the other takes the
 third head. `verify_in_pieces` makes the key axis a batch axis (pieces are views, nothing is copied) so
 the work splits evenly, and merges the pieces by their log-sum-exp. Every path here is tested against
