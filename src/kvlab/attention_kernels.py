@@ -6,10 +6,11 @@ query rows per KV head (a plain or draft step, a short verify) take the C++ spli
 (`NEWEST_ATTENTION`, `kernels/decode_attention.cpp`), which takes all such segments of a packed forward in
 one call, their sequences, KV heads and chunks of keys spread over the threads; where it cannot be built,
 one query over a long cache takes `split_kv_decode`, compiled by inductor. A few queries over a long cache
-(a verify) are arithmetic, and the flash kernel parallelizes over batch x heads only: with SmolLM2's 3 KV heads on 2 threads, one thread waits while the other takes the
-third head. `verify_in_pieces` makes the key axis a batch axis (pieces are views, nothing is copied) so
-the work splits evenly, and merges the pieces by their log-sum-exp. Every path here is tested against
-the masked reference (`kvlab.attention.attend_newest_reference`).
+(a verify) are arithmetic, and the flash kernel parallelizes over batch x heads only: with SmolLM2's 3 KV
+heads on 2 threads, one thread waits while the other takes the third head. `verify_in_pieces` makes the key
+axis a batch axis (pieces are views, nothing is copied) so the work splits evenly, and merges the pieces by
+their log-sum-exp. Every path here is tested against the masked reference
+(`kvlab.attention.attend_newest_reference`).
 """
 
 from __future__ import annotations
