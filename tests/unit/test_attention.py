@@ -16,7 +16,7 @@ from kvlab.attention import (
     merge_attention,
 )
 from kvlab.attention_kernels import SPLIT_KV_CHUNK, SPLIT_KV_MIN_KEYS, split_kv_decode, warm_up_split_kv
-from tests.helpers import spy_on_newest_attention
+from tests.helpers import spy_on_newest_attention, tiny_llama
 
 # Float32 results of the split path differ from one masked kernel only in the reduction order.
 TOLERANCE = 1e-5
@@ -315,3 +315,12 @@ def test_a_verify_row_in_the_cpp_kernel_is_the_plain_step_at_its_position_bit_fo
         visible = num_keys - num_queries + i + 1
         step = attend_newest(queries[:, :, i : i + 1], keys[:, :, :visible], values[:, :, :visible], 0.125)
         assert torch.equal(verify[:, :, i : i + 1], step), i
+
+
+def test_the_cost_model_is_told_how_many_queries_the_cpp_kernel_takes_for_a_model() -> None:
+    loaded = tiny_llama(num_kv_heads=2)  # 4 query heads: groups of 2, so 18 rows are 9 queries
+    assert attention_kernels.newest_kernel_queries(loaded.model) == (9 if attention_kernels.NEWEST_ATTENTION.ready()
+                                                                      else 1)
+    with attention_kernels.NEWEST_ATTENTION.set_aside():
+        assert attention_kernels.newest_kernel_queries(loaded.model) == 1
+    assert attention_kernels.newest_kernel_queries(loaded.model.to(torch.bfloat16)) == 1

@@ -12,13 +12,14 @@ from collections.abc import Callable
 
 import torch
 
+from kvlab.attention_kernels import newest_kernel_queries
 from kvlab.cache import KVCache
 from kvlab.cache.tiers import TierLoader, TierSpec
 from kvlab.engine.figures import RunFigures
 from kvlab.engine.runner import group_by_model, pack, run_batch
 from kvlab.engine.sequence import Sequence, Status
 from kvlab.lossless.calibration import CalibrationStore, calibrate, calibrate_batch
-from kvlab.lossless.cost_model import SegmentShape
+from kvlab.lossless.cost_model import ForwardCostModel, SegmentShape
 from kvlab.lossless.planner import RoundPlanner
 
 Fail = Callable[[Sequence, BaseException], None]
@@ -46,6 +47,7 @@ class Decoder:
         self.loaders = loaders
         self.calibrations = calibrations
         self._restored = False
+        self._kernel_queries: int | None = None
 
     def tier_wait_s(self) -> float:
         """Seconds forwards have waited for slower tiers so far (all tiers together)."""
@@ -62,6 +64,7 @@ class Decoder:
         # What rounds planned in this tick see: this batch and the tier's link.
         self.planner.batch.num_running = len(running)
         self.planner.costs.link_bytes_per_s = self.link_bytes_per_s()
+        self._price_kernel()
         self._calibrate_batch(running)
         # Sequences starting their rounds now plan them together (`RoundPlanner.start_group`), and so do
         # those whose verifies or plain steps this tick runs, as their logits come back.
@@ -109,12 +112,20 @@ class Decoder:
         """Fit the cost model to the served weights and `weights` (in `weight_sets`): from the calibration an
         earlier run on this machine kept, and by `calibrate`'s forwards on a new lossless sequence's caches
         where no calibration covers their lengths yet (the new ones are kept)."""
-        costs = self.planner.costs
+        costs = self._price_kernel()
         if not self._restored:
             self._restored = True
             self.calibrations.restore(costs)
         if calibrate(costs, {"same": self.target, weights: self.weight_sets[weights]}, full, draft, token_id):
             self.calibrations.save(costs)
+
+    def _price_kernel(self) -> ForwardCostModel:
+        """The cost model, told which segments the C++ attention kernel takes (found once: the kernel is built
+        then, as the first decode step would build it)."""
+        if self._kernel_queries is None:
+            self._kernel_queries = newest_kernel_queries(self.target)
+        self.planner.costs.kernel_queries = self._kernel_queries
+        return self.planner.costs
 
     def _calibrate_batch(self, running: list[Sequence]) -> None:
         """Calibrate the cost model on this batch of lossless sequences when it is the largest yet, here or

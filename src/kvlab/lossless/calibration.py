@@ -46,10 +46,11 @@ logger = logging.getLogger(__name__)
 CALIBRATION_DIR_ENV = "KVLAB_CALIBRATION_DIR"
 # Bumped when a kept row's meaning changes (the cost model's features). A change to what kvlab's forwards
 # cost changes kvlab's source, which `source_digest` keys the file by.
-FORMAT = 2
+FORMAT = 3
 KVLAB_SOURCE = Path(__file__).resolve().parents[1]
 
-# Tokens per calibration forward on the served weights (a plain step twice: its first pays set-ups).
+# Tokens per calibration forward on the served weights (a plain step twice: its first pays set-ups), and a
+# verify the C++ attention kernel takes (`ForwardCostModel.kernel_queries`), where it runs.
 SERVED_TOKENS = (1, 1, 9, 17)
 DRAFT_STEPS = 3
 
@@ -67,7 +68,8 @@ def calibrate(
             continue
         calibrated = True
         if weights == "same":
-            runs = [(served, tokens) for tokens in SERVED_TOKENS] + [(draft, 1)] * DRAFT_STEPS
+            lengths = [*SERVED_TOKENS, *([costs.kernel_queries] if costs.kernel_queries > 1 else [])]
+            runs = [(served, tokens) for tokens in lengths] + [(draft, 1)] * DRAFT_STEPS
         else:
             runs = [(draft, 1)] * (DRAFT_STEPS + 1)
         for cache, num_tokens in runs:

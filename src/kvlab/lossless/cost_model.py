@@ -1,23 +1,31 @@
 """What a packed forward costs on this machine: a linear model fitted to the forwards the engine runs.
 
 A forward on one set of weights `w` packs segments i = 1..n; segment i feeds q_i tokens after the
-T_i tokens its cache holds, so its attention reads T_i + q_i keys with q_i queries. It takes
+T_i tokens its cache holds, so its attention reads T_i + q_i keys with q_i queries. Segments of at most
+`kernel_queries` queries (K, where the C++ split-KV kernel takes them) and longer ones (P) read their keys
+by different paths. A forward takes
 
-    seconds = c0[w] + c1[w] * sum q_i + c2[w] * sum_{q_i = 1} (T_i + 1) / 1e3 + c3[w] * sum_{q_i > 1} (T_i + q_i) / 1e3
-              + c4[w] * sum_{q_i <= 64} (q_i - 1)(T_i + q_i) / 1e5 + c5[w] * sum_{q_i > 64} (q_i - 1)(T_i + q_i) / 1e5
+    seconds = c0[w] + c1[w] * sum q_i + c2[w] * sum_{i in K} (T_i + q_i) / 1e3 + c3[w] * sum_{i in P} (T_i + q_i) / 1e3
+              + c4[w] * sum_{i in K} (q_i - 1)(T_i + q_i) / 1e5
+              + c5[w] * sum_{i in P, q_i <= 64} (q_i - 1)(T_i + q_i) / 1e5
+              + c6[w] * sum_{q_i > 64} (q_i - 1)(T_i + q_i) / 1e5
               + the wait for any full KV held on a slower tier
 
 - c0: reading the weights once (and the forward's fixed host work), shared by every segment;
 - c1: the linear layers' work per token;
-- c2: attention reading a one-query segment's keys and values (a plain or draft step), per thousand keys:
-  the split-KV decode path (`kvlab.attention_kernels.NEWEST_ATTENTION`), which streams them;
-- c3: the same read by a segment of several queries (a verify), which takes other paths (scores written
+- c2: the split-KV kernel (`kvlab.attention_kernels.NEWEST_ATTENTION`) streaming a segment's keys and
+  values, per thousand keys: plain and draft steps, and verifies short enough for it;
+- c3: the same read by a segment of more queries (a longer verify), which takes other paths (scores written
   out as matrix products; over long caches, key pieces through the flash kernel): at 8K keys it reads them
   several times slower, so one coefficient for both would price a batch's plain steps at what its
   verifies pay (measured at 8K, batch 8: 31 ms predicted per plain row against 15 ms);
-- c4: attention's work for the queries past a segment's first, per query and key (per hundred thousand),
-  in segments of up to 64 queries (drafts and verifies: `kvlab.attention.FOLDED_SCORES_MAX_QUERIES`);
-- c5: the same in longer segments (a long prompt piece), which take the flash kernel.
+- c4: the kernel's work for a segment's queries past its first, per query and key (per hundred thousand):
+  each more query row is more arithmetic over the same stream of keys;
+- c5: the same in the matrix-product paths, up to 64 queries (`kvlab.attention.FOLDED_SCORES_MAX_QUERIES`);
+- c6: the same in longer segments (a long prompt piece), which take the flash kernel.
+
+`kernel_queries` is 1 where the kernel does not run (not float32 on the CPU, not built): then K holds the
+one-query segments and c4 has nothing to price.
 
 The tier's part is not fitted: a full KV on a slower tier moves over one link at a known rate (an
 emulated link's rate is declared; another tier's is measured by its loader), so reading it costs its
@@ -47,7 +55,7 @@ from kvlab.attention import FOLDED_SCORES_MAX_QUERIES
 # Feature units: thousands of keys, hundreds of thousands of query-key pairs (keeps the system well scaled).
 KEYS_UNIT = 1e3
 PAIRS_UNIT = 1e5
-NUM_FEATURES = 6
+NUM_FEATURES = 7
 # A calibration over T keys stands for caches up to this many times longer.
 CALIBRATION_COVERAGE = 2
 # Forwards a fit has seen before an outlier is clipped to `ForwardCostModel.max_ratio` x its prediction.
@@ -69,23 +77,33 @@ class SegmentShape:
     tier_bytes: int = 0
 
 
-def features(segments: list[SegmentShape]) -> list[float]:
-    """[1, tokens, one-query segments' keys / KEYS_UNIT, several-query segments' keys / KEYS_UNIT, extra
-    query-key pairs / PAIRS_UNIT of segments up to FOLDED_SCORES_MAX_QUERIES queries, and of longer ones] of
-    a forward over `segments` (a segment's extra pairs: those of its queries past its first)."""
-    tokens = sum(s.num_tokens for s in segments)
-    single_keys = sum(s.num_cached + s.num_tokens for s in segments if s.num_tokens == 1)
-    multi_keys = sum(s.num_cached + s.num_tokens for s in segments if s.num_tokens > 1)
-    pairs = [max(s.num_tokens - 1, 0) * (s.num_cached + s.num_tokens) for s in segments]
-    short = sum(p for p, s in zip(pairs, segments, strict=True) if s.num_tokens <= FOLDED_SCORES_MAX_QUERIES)
-    return [1.0, float(tokens), single_keys / KEYS_UNIT, multi_keys / KEYS_UNIT, short / PAIRS_UNIT,
-            (sum(pairs) - short) / PAIRS_UNIT]
+def features(segments: list[SegmentShape], kernel_queries: int = 1) -> list[float]:
+    """[1, tokens, keys of segments the kernel takes / KEYS_UNIT, keys of the others / KEYS_UNIT, extra
+    query-key pairs / PAIRS_UNIT of the kernel's segments, of the others up to FOLDED_SCORES_MAX_QUERIES
+    queries, and of longer ones] of a forward over `segments` (a segment's extra pairs: those of its queries
+    past its first; the kernel takes segments of 1 to `kernel_queries` queries)."""
+    keys = [0.0, 0.0]
+    pairs = [0.0, 0.0, 0.0]
+    for segment in segments:
+        read = segment.num_cached + segment.num_tokens
+        extra = max(segment.num_tokens - 1, 0) * read
+        if segment.num_tokens <= kernel_queries:
+            path = 0
+        elif segment.num_tokens <= FOLDED_SCORES_MAX_QUERIES:
+            path = 1
+        else:
+            path = 2
+        if segment.num_tokens > 0:
+            keys[min(path, 1)] += read
+            pairs[path] += extra
+    return [1.0, float(sum(s.num_tokens for s in segments)), keys[0] / KEYS_UNIT, keys[1] / KEYS_UNIT,
+            *(p / PAIRS_UNIT for p in pairs)]
 
 
-def marginal_features(segment: SegmentShape, num_sharing: float) -> list[float]:
+def marginal_features(segment: SegmentShape, num_sharing: float, kernel_queries: int = 1) -> list[float]:
     """One segment's share of a forward it shares with `num_sharing` segments (itself included): an equal
     part of the fixed cost, all of its own work."""
-    own = features([segment])
+    own = features([segment], kernel_queries)
     return [1.0 / max(num_sharing, 1.0), *own[1:]]
 
 
@@ -96,12 +114,12 @@ class LinearFit:
     Attributes:
         forgetting: Weight of the past per new forward (0..1].
         ridge: Added to the normal equations' diagonal (keeps collinear features bounded).
-        gram: [6, 6] float64 sum of x x^T, forgotten geometrically.
-        moments: [6] float64 sum of x y.
+        gram: [7, 7] float64 sum of x x^T, forgotten geometrically.
+        moments: [7] float64 sum of x y.
         anchor_weight: Weight of an anchored forward (a calibration's), never forgotten.
-        anchors: [6, 7] float64 sum of anchor_weight x [x, y]^T over anchored forwards.
+        anchors: [7, 8] float64 sum of anchor_weight x [x, y]^T over anchored forwards.
         num_observed: Forwards folded in (anchored ones included).
-        coefficients: [6] the current fit (seconds per unit of each feature).
+        coefficients: [7] the current fit (seconds per unit of each feature).
     """
 
     forgetting: float = 0.98
@@ -181,6 +199,8 @@ class ForwardCostModel:
     Attributes:
         fits: One `LinearFit` per set of weights (keyed "same", "bf16", "int8", "int4").
         link_bytes_per_s: The tier link's rate, when the full KV lives on a slower tier.
+        kernel_queries: The most queries of a segment the C++ split-KV kernel takes for the served model
+            (`kvlab.attention_kernels.newest_kernel_queries`; 1 where it does not run).
         fit: The out-of-sample record of every tick.
         warm_up: Forwards of a weight set not compared (nor fitted): the first ones pay one-off set-ups.
         max_ratio: A fitted forward counts at most this multiple of its prediction (once the fit has seen
@@ -192,6 +212,7 @@ class ForwardCostModel:
 
     fits: dict[str, LinearFit] = dataclasses.field(default_factory=dict)
     link_bytes_per_s: float | None = None
+    kernel_queries: int = 1
     fit: CostFit = dataclasses.field(default_factory=CostFit)
     warm_up: int = 1
     max_ratio: float = 2.0
@@ -206,12 +227,12 @@ class ForwardCostModel:
     def forward_s(self, weights: str, segments: list[SegmentShape]) -> float:
         """Predicted compute seconds of one forward (the tier's wait excluded)."""
         fit = self.fits.get(weights)
-        return 0.0 if fit is None else fit.predict(features(segments))
+        return 0.0 if fit is None else fit.predict(features(segments, self.kernel_queries))
 
     def share_s(self, weights: str, segment: SegmentShape, num_sharing: float) -> float:
         """Predicted compute seconds one segment adds to a forward it shares with `num_sharing` segments."""
         fit = self.fits.get(weights)
-        return 0.0 if fit is None else fit.predict(marginal_features(segment, num_sharing))
+        return 0.0 if fit is None else fit.predict(marginal_features(segment, num_sharing, self.kernel_queries))
 
     def link_s(self, num_bytes: int) -> float:
         """Seconds `num_bytes` of full KV take over the tier's link (0 in memory)."""
@@ -233,7 +254,7 @@ class ForwardCostModel:
             if seen < self.warm_up:
                 continue
             fit = self.fits.setdefault(weights, LinearFit())
-            x = features(segments)
+            x = features(segments, self.kernel_queries)
             if fit.num_observed >= MIN_FORWARDS_TO_CLIP:
                 # One forward slowed by the shared machine counts at most `max_ratio` times its prediction:
                 # the fit follows drift over several forwards, not a single stall.
@@ -259,5 +280,5 @@ class ForwardCostModel:
         self.calibrated_batch = max(self.calibrated_batch, calibrated_batch)
 
     def coefficients(self) -> dict[str, list[float]]:
-        """Each weight set's fitted [c0, c1, c2, c3, c4, c5] (seconds per feature unit)."""
+        """Each weight set's fitted [c0, .., c6] (seconds per feature unit)."""
         return {weights: [float(c) for c in fit.coefficients] for weights, fit in self.fits.items()}

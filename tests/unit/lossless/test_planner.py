@@ -10,6 +10,7 @@ from collections.abc import Generator
 import pytest
 import torch
 
+from kvlab.attention_kernels import newest_kernel_queries
 from kvlab.cache import Segment
 from kvlab.compress import create_compressor
 from kvlab.engine import Engine, Request
@@ -31,19 +32,32 @@ from tests.unit.lossless.test_prompt_lookup import repetitive_prompt
 
 
 def test_the_fit_recovers_known_coefficients_from_synthetic_ticks() -> None:
-    truth = torch.tensor([0.020, 0.0005, 0.002, 0.006, 0.003, 0.001], dtype=torch.float64)
+    truth = torch.tensor([0.020, 0.0005, 0.002, 0.006, 0.002, 0.003, 0.001], dtype=torch.float64)
     fit = LinearFit(forgetting=1.0, ridge=1e-9)
     generator = torch.Generator().manual_seed(0)
-    # Plain steps and drafts (one query), verifies (2 to 17) and prefill pieces (256 or 512).
+    # Plain steps and drafts (one query), verifies (2 to 17: the kernel takes up to 6) and prefill pieces.
     num_tokens = torch.tensor([1, 1, 1, *range(2, 18), 256, 512])
     for _ in range(80):
         num_segments = int(torch.randint(1, 9, (1,), generator=generator))
         picks = torch.randint(0, len(num_tokens), (num_segments,), generator=generator)
         segments = [SegmentShape(int(num_tokens[pick]), int(torch.randint(0, 8192, (1,), generator=generator)))
                     for pick in picks]
-        x = features(segments)
+        x = features(segments, kernel_queries=6)
         fit.observe(x, float(torch.dot(truth, torch.tensor(x, dtype=torch.float64))))
     torch.testing.assert_close(fit.coefficients, truth, rtol=1e-4, atol=1e-7)
+
+
+def test_a_verify_the_kernel_takes_is_priced_with_the_steps_and_a_longer_one_apart() -> None:
+    step, short, long, piece = (SegmentShape(1, 999), SegmentShape(6, 994), SegmentShape(7, 993),
+                                SegmentShape(100, 900))
+    assert features([step, short, long, piece], kernel_queries=6) == [
+        1.0, 114.0, 2.0, 2.0, 5 * 1000 / 1e5, 6 * 1000 / 1e5, 99 * 1000 / 1e5]
+    # Where the kernel does not run, every segment of several queries reads its keys by the other paths.
+    assert features([step, short, long], kernel_queries=1) == [1.0, 14.0, 1.0, 2.0, 0.0, 11 * 1000 / 1e5, 0.0]
+    costs = ForwardCostModel(kernel_queries=6)
+    costs.fits["same"] = LinearFit()
+    costs.fits["same"].observe(features([short], 6), 0.01)
+    assert costs.forward_s("same", [short]) == costs.fits["same"].predict(features([short], 6))
 
 
 def test_the_fit_keeps_coefficients_non_negative() -> None:
@@ -297,6 +311,7 @@ def test_the_engine_reports_the_cost_models_fit() -> None:
     assert stats.cost_model_ticks > 0 and stats.cost_model_mre is not None
     assert set(stats.cost_model_coefficients) == {"same", "bf16"}
     assert sum(stats.num_plans.values()) == stats.rounds
+    assert engine.planner.costs.kernel_queries == newest_kernel_queries(engine.loaded.model)
 
 
 def test_a_plain_only_engine_fits_nothing_and_counts_no_lossless_time() -> None:
