@@ -222,12 +222,20 @@ def _build_newest_attention() -> ModuleType:
     source = Path(__file__).with_name("kernels") / "decode_attention.cpp"
     build_dir = paths.cache_dir() / "torch_extensions" / f"decode_attention-{_build_fingerprint()}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    # ninja may be installed beside this interpreter (a venv not on PATH).
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    return cpp_extension.load(
-        name="kvlab_decode_attention", sources=[str(source)], build_directory=str(build_dir),
-        extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
-    )
+    # ninja may be installed beside this interpreter (a venv not on PATH): on PATH for the build only.
+    path = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path or ""])
+    try:
+        return cpp_extension.load(
+            name="kvlab_decode_attention", sources=[str(source)], build_directory=str(build_dir),
+            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    finally:
+        if path is None:
+            del os.environ["PATH"]
+        else:
+            os.environ["PATH"] = path
 
 
 def _build_fingerprint() -> str:

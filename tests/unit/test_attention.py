@@ -324,3 +324,19 @@ def test_the_cost_model_is_told_how_many_queries_the_cpp_kernel_takes_for_a_mode
     with attention_kernels.NEWEST_ATTENTION.set_aside():
         assert attention_kernels.newest_kernel_queries(loaded.model) == 1
     assert attention_kernels.newest_kernel_queries(loaded.model.to(torch.bfloat16)) == 1
+
+
+def test_building_the_kernel_puts_the_interpreters_folder_on_path_for_the_build_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import sys
+    from pathlib import Path
+
+    from torch.utils import cpp_extension
+
+    seen: list[str] = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: seen.append(os.environ["PATH"]) or "module")
+    monkeypatch.setenv("PATH", "/nowhere")
+    assert attention_kernels._build_newest_attention() == "module"  # type: ignore[comparison-overlap]
+    assert seen == [os.pathsep.join([str(Path(sys.executable).parent), "/nowhere"])]
+    assert os.environ["PATH"] == "/nowhere"
