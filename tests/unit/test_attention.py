@@ -335,7 +335,12 @@ def test_building_the_kernel_puts_the_interpreters_folder_on_path_for_the_build_
     from torch.utils import cpp_extension
 
     seen: list[str] = []
-    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: seen.append(os.environ["PATH"]) or "module")
+
+    def load(**kwargs: object) -> str:
+        seen.append(os.environ["PATH"])
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", load)
     monkeypatch.setenv("PATH", "/nowhere")
     assert attention_kernels._build_newest_attention() == "module"  # type: ignore[comparison-overlap]
     assert seen == [os.pathsep.join([str(Path(sys.executable).parent), "/nowhere"])]
