@@ -200,20 +200,14 @@ def takes_newest_kernel(folded: torch.Tensor, keys: torch.Tensor) -> bool:
             and NEWEST_ATTENTION.ready())
 
 
-def newest_kernel_queries(model: torch.nn.Module) -> int:
-    """The most newest queries of one sequence the C++ kernel takes in `model`'s attention (its rows are a KV
-    head's query heads x queries, at most `NEWEST_ATTENTION_MAX_ROWS`), or 1 where the kernel does not run:
-    weights not float32 on the CPU, no such config, or the kernel not built (building it now if it was not
-    tried yet). What `kvlab.lossless.cost_model` prices apart."""
-    config = getattr(model, "config", None)
-    heads = getattr(config, "num_attention_heads", None)
-    parameter = next(model.parameters(), None)
-    if not isinstance(heads, int) or parameter is None:
+def newest_kernel_queries(num_kv_groups: int, device: torch.device, dtype: torch.dtype) -> int:
+    """The most newest queries of one sequence the C++ kernel takes for a model whose KV heads each serve
+    `num_kv_groups` query heads (its rows are groups x queries, at most `NEWEST_ATTENTION_MAX_ROWS`), its cache
+    of `dtype` on `device`; 1 where the kernel does not run: not float32 on the CPU, or the kernel not built
+    (building it now if it was not tried yet). What `kvlab.lossless.cost_model` prices apart."""
+    if device.type != "cpu" or dtype != torch.float32 or not NEWEST_ATTENTION.ready():
         return 1
-    if parameter.device.type != "cpu" or parameter.dtype != torch.float32 or not NEWEST_ATTENTION.ready():
-        return 1
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return max(NEWEST_ATTENTION_MAX_ROWS // max(heads // kv_heads, 1), 1)
+    return max(NEWEST_ATTENTION_MAX_ROWS // max(num_kv_groups, 1), 1)
 
 
 def _build_newest_attention() -> ModuleType:

@@ -16,7 +16,7 @@ from kvlab.attention import (
     merge_attention,
 )
 from kvlab.attention_kernels import SPLIT_KV_CHUNK, SPLIT_KV_MIN_KEYS, split_kv_decode, warm_up_split_kv
-from tests.helpers import spy_on_newest_attention, tiny_llama
+from tests.helpers import spy_on_newest_attention
 
 # Float32 results of the split path differ from one masked kernel only in the reduction order.
 TOLERANCE = 1e-5
@@ -318,12 +318,15 @@ def test_a_verify_row_in_the_cpp_kernel_is_the_plain_step_at_its_position_bit_fo
 
 
 def test_the_cost_model_is_told_how_many_queries_the_cpp_kernel_takes_for_a_model() -> None:
-    loaded = tiny_llama(num_kv_heads=2)  # 4 query heads: groups of 2, so 18 rows are 9 queries
-    assert attention_kernels.newest_kernel_queries(loaded.model) == (9 if attention_kernels.NEWEST_ATTENTION.ready()
-                                                                      else 1)
+    cpu = torch.device("cpu")
+    built = attention_kernels.NEWEST_ATTENTION.ready()
+    # Groups of 2 query heads: 18 rows are 9 queries; of 3 (SmolLM2), 6.
+    assert attention_kernels.newest_kernel_queries(2, cpu, torch.float32) == (9 if built else 1)
+    assert attention_kernels.newest_kernel_queries(3, cpu, torch.float32) == (6 if built else 1)
     with attention_kernels.NEWEST_ATTENTION.set_aside():
-        assert attention_kernels.newest_kernel_queries(loaded.model) == 1
-    assert attention_kernels.newest_kernel_queries(loaded.model.to(torch.bfloat16)) == 1
+        assert attention_kernels.newest_kernel_queries(2, cpu, torch.float32) == 1
+    assert attention_kernels.newest_kernel_queries(2, cpu, torch.bfloat16) == 1
+    assert attention_kernels.newest_kernel_queries(2, torch.device("meta"), torch.float32) == 1
 
 
 def test_building_the_kernel_puts_the_interpreters_folder_on_path_for_the_build_only(

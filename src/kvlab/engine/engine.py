@@ -71,7 +71,7 @@ class Engine:
         self._weight_sets: dict[str, torch.nn.Module] = {"same": loaded.model}  # type: ignore[dict-item]
         calibration = CalibrationStore.for_model(loaded.source, loaded.dtype, loaded.device, forward_kind(loaded.model))
         self._decoder = Decoder(loaded.model, self._weight_sets, self.planner, self.figures,  # type: ignore[arg-type]
-                                self._loaders, calibration)
+                                self._loaders, calibration, loaded.architecture.num_kv_groups)
         self._fetcher = None
         if prefixes is not None and self.config.fetch_workers > 0:
             self._fetcher = PrefixFetcher(prefixes, self.config.fetch_workers)

@@ -36,10 +36,13 @@ class Decoder:
         loaders: The tiers' loaders (their waits are taken out of the forwards' seconds; their link's rate
             is the cost model's).
         calibrations: Where the cost model's calibration is kept between runs on this machine.
+        num_kv_groups: Query heads per KV head of the served model (what the C++ attention kernel takes
+            depends on it: `kvlab.attention_kernels.newest_kernel_queries`).
     """
 
     def __init__(self, target: torch.nn.Module, weight_sets: dict[str, torch.nn.Module], planner: RoundPlanner,
-                 figures: RunFigures, loaders: dict[TierSpec, TierLoader], calibrations: CalibrationStore) -> None:
+                 figures: RunFigures, loaders: dict[TierSpec, TierLoader], calibrations: CalibrationStore,
+                 num_kv_groups: int) -> None:
         self.target = target
         self.weight_sets = weight_sets
         self.planner = planner
@@ -47,6 +50,7 @@ class Decoder:
         self.loaders = loaders
         self.calibrations = calibrations
         self._restored = False
+        self.num_kv_groups = num_kv_groups
         self._kernel_queries: int | None = None
 
     def tier_wait_s(self) -> float:
@@ -123,7 +127,8 @@ class Decoder:
         """The cost model, told which segments the C++ attention kernel takes (found once: the kernel is built
         then, as the first decode step would build it)."""
         if self._kernel_queries is None:
-            self._kernel_queries = newest_kernel_queries(self.target)
+            weight = next(self.target.parameters())
+            self._kernel_queries = newest_kernel_queries(self.num_kv_groups, weight.device, weight.dtype)
         self.planner.costs.kernel_queries = self._kernel_queries
         return self.planner.costs
 

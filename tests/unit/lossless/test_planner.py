@@ -311,7 +311,9 @@ def test_the_engine_reports_the_cost_models_fit() -> None:
     assert stats.cost_model_ticks > 0 and stats.cost_model_mre is not None
     assert set(stats.cost_model_coefficients) == {"same", "bf16"}
     assert sum(stats.num_plans.values()) == stats.rounds
-    assert engine.planner.costs.kernel_queries == newest_kernel_queries(engine.loaded.model)
+    loaded = engine.loaded
+    assert engine.planner.costs.kernel_queries == newest_kernel_queries(loaded.architecture.num_kv_groups,
+                                                                        loaded.device, loaded.dtype)
 
 
 def test_a_plain_only_engine_fits_nothing_and_counts_no_lossless_time() -> None:
